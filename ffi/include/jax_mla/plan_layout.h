@@ -1,0 +1,61 @@
+// Layout of the host plan as the kernels read it. The Python planner
+// (jax_mla/planner.py) writes exactly these columns; keep the two in step.
+//
+// The plan is two int32 tables with fixed (bucketed) row counts:
+//
+//   work  [W, kWorkCols]  one row per work unit: a tile of <= q_tile query tokens
+//                         of one request against one kv range of that request.
+//   merge [M, kMergeCols] one row per query tile whose kv was split: where its
+//                         split partials live and how many there are.
+//
+// Rows with q_len == 0 are padding and must be skipped.
+//
+// Key visibility. A query token whose offset from the end of its request's
+// query block is `e` (the last token has e = 1) sees keys [0, kv_len - e + 1),
+// where kv_len is read from the device `kv_lens` at run time and clipped to the
+// page table's capacity (max_pages * page_size). This is causal masking aligned
+// to the end; decode (one token, e = 1) sees all kv_len keys.
+//
+// A unit covers keys [kv_start, kv_end) intersected with each token's visible
+// range. kv_end == kKvEndOpen means "to the end of the visible range": the
+// last split of every request is open so that a plan made for lengths L stays
+// valid for any device lengths >= L (and it is simply emptier for shorter ones).
+//
+// A unit with partial_row < 0 writes its tokens' outputs and LSEs directly.
+// Otherwise it writes float32 partial outputs / LSEs for its q_len tokens to
+// workspace rows partial_row .. partial_row + q_len - 1, and the merge row of its
+// tile combines them: split j of a tile with base b and q_len n stores local
+// token i at row b + j * n + i.
+//
+// LSE convention everywhere (partials and the op's output): natural log of
+// sum_k exp(sm_scale * q.k); -inf when no key is visible, and then the output
+// row is zero.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_mla {
+
+enum WorkCol : int {
+  kWorkRequest = 0,    // request index into page_table / kv_lens
+  kWorkQStart = 1,     // first query token (row of q_nope / q_pe / out)
+  kWorkQLen = 2,       // tokens in this unit (<= plan q_tile); 0 = padding
+  kWorkQEndOffset = 3, // e of the unit's first token; token i has e - i
+  kWorkKvStart = 4,    // first key of the split
+  kWorkKvEnd = 5,      // one past the last key, or kKvEndOpen
+  kWorkPartialRow = 6, // -1: write out/lse directly; else workspace base row
+  kWorkSplitIndex = 7, // index of this split within its tile (informational)
+  kWorkCols = 8,
+};
+
+enum MergeCol : int {
+  kMergeQStart = 0,     // first query token of the tile
+  kMergeQLen = 1,       // tokens in the tile; 0 = padding
+  kMergePartialRow = 2, // base workspace row b of split 0
+  kMergeNumSplits = 3,  // number of splits (>= 2)
+  kMergeCols = 4,
+};
+
+constexpr int32_t kKvEndOpen = 0x7fffffff;
+
+}  // namespace jax_mla

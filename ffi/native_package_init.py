@@ -1,0 +1,1 @@
+"""Compiled jax_mla FFI libraries (installed by CMake; see BUILD.md)."""

@@ -1,0 +1,95 @@
+"""The public op: paged MLA attention in the absorbed form."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi
+from ._validate import check_attention_args
+from .planner import MLAPlan
+from .reference import mla_paged_attention_reference
+
+__all__ = ["mla_paged_attention", "BACKENDS"]
+
+BACKENDS = ("auto", "ffi", "reference")
+
+# Head dims the CUDA kernels are compiled for (ffi/cuda). Other dims use the
+# CPU handler on CPU and the reference on GPU.
+CUDA_DIMS = ((512, 64),)
+
+
+def _pick_backend(backend: str, d_ckv: int, d_kpe: int) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend == "reference":
+        return backend
+    platform = jax.default_backend()
+    ok = _ffi.has_ffi(platform) and (platform == "cpu" or (d_ckv, d_kpe) in CUDA_DIMS)
+    if backend == "ffi" and not ok:
+        raise ValueError(f"backend='ffi' has no kernel for platform {platform!r} with "
+                         f"d_ckv={d_ckv}, d_kpe={d_kpe} (built: {sorted(_ffi.registered_platforms())})")
+    return "ffi" if ok else "reference"
+
+
+def mla_paged_attention(
+    q_nope: jax.Array,
+    q_pe: jax.Array,
+    ckv: jax.Array,
+    kpe: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    plan: MLAPlan,
+    *,
+    sm_scale: float,
+    return_lse: bool = False,
+    backend: str = "auto",
+):
+    """Paged Multi-head Latent Attention (absorbed form) over a paged latent cache.
+
+    Shapes (T query tokens of all requests back to back, H heads, P pages):
+      q_nope     [T, H, d_ckv]  queries with W_UK absorbed (d_ckv = kv_lora_rank, 512 in DeepSeek)
+      q_pe       [T, H, d_kpe]  rotary part of the queries (64 in DeepSeek)
+      ckv        [P, page_size, d_ckv]  compressed kv cache; keys *and* values
+      kpe        [P, page_size, d_kpe]  rotary key cache
+      page_table [R, max_pages] int32   page ids of request r's positions
+                                        [j*page_size, (j+1)*page_size)
+      kv_lens    [>=R] int32            kv length of each request, *including*
+                                        its new tokens (read on the device)
+      plan       MLAPlan from `plan_mla` (host-made; which tokens belong to which
+                 request, how the work is split)
+    Keys are the two caches side by side; they are never concatenated:
+      score(t, h, k) = sm_scale * (q_nope[t,h]·ckv[k] + q_pe[t,h]·kpe[k])
+      out(t, h)      = sum_k softmax_k(score) * ckv[k]
+    Request r's query tokens are rows qo_indptr[r]:qo_indptr[r+1] (from the
+    plan). Query i of a request's n tokens sees keys [0, L - n + i + 1), L its
+    kv length (causal, aligned to the end; decode is n = 1). A token that sees
+    no key (L = 0, or a padding token) gets output 0 and LSE -inf, never NaN.
+    q, ckv and kpe share one dtype: bfloat16, float16 or float32.
+
+    Returns out [T, H, d_ckv] in the query dtype, and with return_lse=True also
+    lse [T, H] float32: the natural-log log-sum-exp of the scaled scores
+    (log base e; FlashInfer reports log2).
+
+    backend: 'auto' (the FFI kernel of the current platform when it has one for
+    these head dims, else the reference), 'ffi' or 'reference'.
+    """
+    t, h, d_ckv, d_kpe = check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale)
+    which = _pick_backend(backend, d_ckv, d_kpe)
+    if which == "reference":
+        return mla_paged_attention_reference(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan,
+                                             sm_scale=sm_scale, return_lse=return_lse)
+    out_types = (
+        jax.ShapeDtypeStruct((t, h, d_ckv), q_nope.dtype),
+        jax.ShapeDtypeStruct((t, h), jnp.float32),
+        # Workspace for split partials, sized by the plan's bucket: XLA allocates
+        # it with the other buffers, so the handler never allocates.
+        jax.ShapeDtypeStruct((plan.num_partial_rows, h, d_ckv), jnp.float32),
+        jax.ShapeDtypeStruct((plan.num_partial_rows, h), jnp.float32),
+    )
+    call = jax.ffi.ffi_call(_ffi.ATTENTION_TARGET, out_types, vmap_method="sequential")
+    out, lse, _, _ = call(q_nope, q_pe, ckv, kpe, page_table, kv_lens,
+                          jnp.asarray(plan.work, jnp.int32), jnp.asarray(plan.merge, jnp.int32),
+                          sm_scale=np.float32(sm_scale))
+    return (out, lse) if return_lse else out

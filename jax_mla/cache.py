@@ -1,0 +1,62 @@
+"""Writing new latent-cache rows into their pages, in place."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .planner import MLAPlan
+from .reference import visible_keys
+
+
+def cache_slots(page_table: jax.Array, kv_lens: jax.Array, plan: MLAPlan, num_pages: int) -> jax.Array:
+    """Flat slot (page * page_size + offset) of each new token, or an out-of-range
+    index (dropped by the scatter) for padding tokens and invalid pages.
+
+    Token with offset e from its request's end sits at position kv_len - e: the
+    kv lengths already include the new tokens, as in the op.
+    """
+    ps = plan.page_size
+    capacity = page_table.shape[1] * ps
+    req, n_vis = visible_keys(jnp.asarray(plan.tokens), kv_lens, capacity)
+    pos = n_vis - 1  # the token's own key is the last one it sees
+    page = page_table[req, jnp.clip(pos, 0, capacity - 1) // ps]
+    ok = (pos >= 0) & (page >= 0) & (page < num_pages)
+    # Dropped rows get distinct out-of-range slots so the scatter's indices stay unique.
+    dropped = num_pages * ps + jnp.arange(req.shape[0], dtype=page.dtype)
+    return jnp.where(ok, page * ps + pos % ps, dropped)
+
+
+def append_paged_kv(
+    ckv: jax.Array,
+    kpe: jax.Array,
+    ckv_new: jax.Array,
+    kpe_new: jax.Array,
+    page_table: jax.Array,
+    kv_lens: jax.Array,
+    plan: MLAPlan,
+) -> tuple[jax.Array, jax.Array]:
+    """Write new rows ckv_new [T, d_ckv] and kpe_new [T, d_kpe] into the caches.
+
+    Token t of the plan goes to its request's position ``kv_lens[r] - e_t``.
+    Returns the updated (ckv, kpe). Inside `jax.jit` with the caches donated
+    (``donate_argnums``) XLA updates them in place: only T rows are written, the
+    cache is never copied (tests/test_cache.py checks the buffer and the HLO).
+    """
+    num_pages, ps, d_ckv = ckv.shape
+    d_kpe = kpe.shape[-1]
+    t = plan.num_tokens
+    if ckv_new.shape != (t, d_ckv):
+        raise ValueError(f"ckv_new must have shape {(t, d_ckv)}, got {ckv_new.shape}")
+    if kpe_new.shape != (t, d_kpe):
+        raise ValueError(f"kpe_new must have shape {(t, d_kpe)}, got {kpe_new.shape}")
+    if kpe.shape[:2] != (num_pages, ps):
+        raise ValueError(f"kpe pages/page_size {kpe.shape[:2]} disagree with ckv's {(num_pages, ps)}")
+    if plan.page_size != ps:
+        raise ValueError(f"plan was made for page_size={plan.page_size}, but the cache has page_size {ps}")
+    slots = cache_slots(page_table, kv_lens, plan, num_pages)
+    ckv = ckv.reshape(num_pages * ps, d_ckv).at[slots].set(ckv_new.astype(ckv.dtype), mode="drop",
+                                                           unique_indices=True)
+    kpe = kpe.reshape(num_pages * ps, d_kpe).at[slots].set(kpe_new.astype(kpe.dtype), mode="drop",
+                                                           unique_indices=True)
+    return ckv.reshape(num_pages, ps, d_ckv), kpe.reshape(num_pages, ps, d_kpe)

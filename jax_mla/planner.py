@@ -1,0 +1,323 @@
+"""Host-side planning of paged MLA attention.
+
+The plan says which worker (a CUDA thread block, or a CPU task) computes which
+(request, query tile, kv range) slice, and where split slices are merged. It is
+made in NumPy from *host-known* lengths, never from device arrays, and reaches
+the kernel as ordinary int32 operands whose shapes are bucketed: lengths that
+change within a bucket change the plan's values, not its shapes, so a jitted
+step neither retraces nor syncs with the device. The kernel reads the true kv
+lengths from the device and clips every slice to them, and the last split of
+every request is open-ended, so a plan made for lengths ``L_r + N`` serves the
+next ``N`` decode steps (indeed any lengths ``>= L_r``; shorter ones just leave
+some slices empty).
+
+The table layout is fixed in ``ffi/include/jax_mla/plan_layout.h``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+__all__ = ["MLAPlan", "PlanTarget", "plan_mla", "default_target", "SUPPORTED_PAGE_SIZES"]
+
+# Columns of the work table (plan_layout.h: WorkCol).
+W_REQUEST, W_QSTART, W_QLEN, W_QEND_OFFSET, W_KV_START, W_KV_END, W_PARTIAL_ROW, W_SPLIT = range(8)
+WORK_COLS = 8
+# Columns of the merge table (plan_layout.h: MergeCol).
+M_QSTART, M_QLEN, M_PARTIAL_ROW, M_NUM_SPLITS = range(4)
+MERGE_COLS = 4
+KV_END_OPEN = 0x7FFFFFFF
+
+SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# Query rows (tokens x heads) one worker processes at once. A tile holds
+# max(1, ROWS_PER_TILE // num_heads) query tokens of one request; with more heads
+# than rows the CUDA kernel spreads one token's heads over several blocks.
+ROWS_PER_TILE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanTarget:
+    """What the plan is balanced for.
+
+    num_workers: concurrent workers (SMs on a GPU, threads on a CPU).
+    units_per_worker: how many units to aim for per worker (more gives better
+      balance, fewer gives less merge work).
+    min_chunk: smallest kv split, in tokens; below it splitting costs more than
+      it saves.
+    chunk_align: split boundaries are multiples of this (the kernels' kv block).
+    unit_overhead: fixed cost of a unit in kv-token equivalents (launch, q load,
+      output and merge traffic); used to decide whether splitting pays.
+    """
+
+    num_workers: int
+    units_per_worker: float = 1.0
+    min_chunk: int = 256
+    chunk_align: int = 64
+    unit_overhead: int = 128
+
+    def __post_init__(self):
+        for name in ("num_workers", "min_chunk", "chunk_align"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"PlanTarget.{name} must be a positive int, got {v!r}")
+
+
+def default_target(device: Any = None) -> PlanTarget:
+    """The plan target for `device` (default: JAX's first device).
+
+    GPU: one unit per SM (the CUDA kernel's measured sweet spot); CPU: a few
+    units per thread so that uneven requests still balance.
+    """
+    if device is None:
+        device = jax.devices()[0]
+    if device.platform == "gpu":
+        sms = int(getattr(device, "core_count", 0) or 132)
+        return PlanTarget(num_workers=sms, units_per_worker=1.0, min_chunk=256, chunk_align=64)
+    threads = os.cpu_count() or 1
+    return PlanTarget(num_workers=threads, units_per_worker=4.0, min_chunk=512, chunk_align=64)
+
+
+def _bucket(n: int, minimum: int) -> int:
+    """Smallest power of two >= max(n, minimum)."""
+    n = max(int(n), minimum, 1)
+    return 1 << (n - 1).bit_length()
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class MLAPlan:
+    """A host plan: int32 tables (pytree leaves) plus static shape facts.
+
+    Leaves (int32, fixed bucketed shapes; pass the plan straight into `jax.jit`):
+      work   [W, 8]  work units (see plan_layout.h)
+      merge  [M, 4]  merges of split tiles
+      tokens [T, 2]  per query token: request (-1 for padding tokens) and its
+                     offset from the end of its request's query block (last = 1)
+    Static (part of the jit cache key; equal within a bucket):
+      num_tokens, num_heads, page_size, num_requests, q_tile, num_partial_rows.
+    """
+
+    work: Any
+    merge: Any
+    tokens: Any
+    num_tokens: int
+    num_heads: int
+    page_size: int
+    num_requests: int
+    q_tile: int
+    num_partial_rows: int
+
+    def tree_flatten(self):
+        static = (self.num_tokens, self.num_heads, self.page_size, self.num_requests,
+                  self.q_tile, self.num_partial_rows)
+        return (self.work, self.merge, self.tokens), static
+
+    @classmethod
+    def tree_unflatten(cls, static, leaves):
+        return cls(*leaves, *static)
+
+    @property
+    def num_work_units(self) -> int:
+        return int(np.shape(self.work)[0])
+
+    @property
+    def num_merges(self) -> int:
+        return int(np.shape(self.merge)[0])
+
+    def describe(self) -> str:
+        """Human summary (host plans only)."""
+        w = np.asarray(self.work)
+        live = w[w[:, W_QLEN] > 0]
+        split = int((live[:, W_PARTIAL_ROW] >= 0).sum())
+        return (f"MLAPlan(tokens={self.num_tokens}, heads={self.num_heads}, page_size={self.page_size}, "
+                f"requests={self.num_requests}, q_tile={self.q_tile}, units={len(live)}/{self.num_work_units}, "
+                f"split_units={split}, merges={int((np.asarray(self.merge)[:, M_QLEN] > 0).sum())}/"
+                f"{self.num_merges}, partial_rows={self.num_partial_rows})")
+
+
+def _as_lengths(name: str, x: Any) -> np.ndarray:
+    if isinstance(x, jax.Array) and not isinstance(x, np.ndarray):
+        # Planning must never read device memory: that is the sync we exist to avoid.
+        raise TypeError(f"{name} must be host data (list / NumPy), got a jax.Array; "
+                        "keep a host copy of the lengths")
+    a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
+    a = a.astype(np.int64, copy=False)
+    if a.size and a.min() < 0:
+        i = int(np.argmin(a))
+        raise ValueError(f"{name}[{i}] = {int(a[i])} is negative")
+    return a
+
+
+def plan_mla(
+    qo_lens: Sequence[int] | np.ndarray,
+    kv_lens: Sequence[int] | np.ndarray,
+    *,
+    num_heads: int,
+    page_size: int,
+    num_tokens: int | None = None,
+    max_pages_per_request: int | None = None,
+    target: PlanTarget | None = None,
+    min_work_units: int = 16,
+    min_partial_rows: int = 16,
+) -> MLAPlan:
+    """Plan one paged MLA attention call.
+
+    Args:
+      qo_lens: [R] query tokens per request (host ints). Request r owns query
+        rows ``sum(qo_lens[:r]) : sum(qo_lens[:r+1])``. Pad the batch with
+        zero-length requests to keep R fixed.
+      kv_lens: [R] kv lengths to plan for (host ints), *including* the new
+        tokens. To reuse the plan for N decode steps, pass lengths + N.
+      num_heads, page_size: as in the op.
+      num_tokens: query rows of the op (default ``sum(qo_lens)``); rows past
+        ``sum(qo_lens)`` are padding and come out as zeros.
+      max_pages_per_request: the page table's width; if given, kv lengths beyond
+        ``max_pages_per_request * page_size`` raise here.
+      target: parallelism to balance for (default: `default_target()`).
+      min_work_units, min_partial_rows: smallest buckets.
+    """
+    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    if page_size not in SUPPORTED_PAGE_SIZES:
+        raise ValueError(f"page_size={page_size!r} is not supported; use one of {SUPPORTED_PAGE_SIZES}")
+    qo = _as_lengths("qo_lens", qo_lens)
+    kv = _as_lengths("kv_lens", kv_lens)
+    if qo.shape != kv.shape:
+        raise ValueError(f"qo_lens has {qo.size} requests but kv_lens has {kv.size}")
+    if (qo > kv).any():
+        i = int(np.argmax(qo > kv))
+        raise ValueError(f"qo_lens[{i}] = {int(qo[i])} exceeds kv_lens[{i}] = {int(kv[i])} "
+                         "(kv lengths include the new tokens)")
+    if max_pages_per_request is not None:
+        cap = int(max_pages_per_request) * page_size
+        if (kv > cap).any():
+            i = int(np.argmax(kv > cap))
+            raise ValueError(f"kv_lens[{i}] = {int(kv[i])} exceeds the page table's capacity "
+                             f"{int(max_pages_per_request)} pages x {page_size} = {cap} tokens")
+    qo_end = np.cumsum(qo)
+    total_q = int(qo_end[-1]) if qo.size else 0
+    if num_tokens is None:
+        num_tokens = total_q
+    if num_tokens < total_q:
+        raise ValueError(f"num_tokens={num_tokens} is less than sum(qo_lens)={total_q}")
+    if target is None:
+        target = default_target()
+
+    num_req = qo.size
+    q_tile = max(1, ROWS_PER_TILE // num_heads)
+    head_blocks = -(-num_heads // ROWS_PER_TILE)
+    max_q = int(qo.max()) if num_req else 0
+
+    # ---- query tiles: ceil(qo / q_tile) per request -----------------------------
+    # (The NumPy here is counted in microseconds: it runs before every step. The
+    # common decode / verify case, one tile per request, skips the general path.)
+    if max_q <= q_tile:
+        if num_req and qo.min() > 0:
+            tile_req, tile_qlen, tile_kv = np.arange(num_req), qo, kv
+        else:
+            tile_req = np.flatnonzero(qo)
+            tile_qlen, tile_kv = qo[tile_req], kv[tile_req]
+        tile_qstart = qo_end[tile_req] - tile_qlen
+        tile_eoff = tile_qlen
+    else:
+        n_tiles = -(-qo // q_tile)
+        tile_req = np.repeat(np.arange(num_req), n_tiles)
+        tile_first = np.cumsum(n_tiles) - n_tiles
+        tile_off = (np.arange(tile_req.size) - tile_first[tile_req]) * q_tile  # token index in request
+        tile_qlen = np.minimum(q_tile, qo[tile_req] - tile_off)
+        tile_qstart = qo_end[tile_req] - qo[tile_req] + tile_off
+        tile_eoff = qo[tile_req] - tile_off
+        # Keys the tile's last token sees (causal, aligned to the end).
+        tile_kv = kv[tile_req] - (tile_eoff - tile_qlen)
+    n_t = tile_req.size
+
+    # ---- split sizes: one chunk length for the whole batch ---------------------
+    # Aim for units_per_worker * num_workers blocks in all; a tile becomes
+    # ceil(kv / chunk) units. sum(ceil(kv/c)) <= sum(kv)/c + n_t, so
+    # c = sum(kv) / (slots - n_t) keeps the unit count within the slots.
+    slots = int(target.num_workers * target.units_per_worker) // head_blocks
+    max_kv = int(tile_kv.max()) if n_t else 0
+    free_slots = slots - n_t
+    chunk = 0  # no split
+    if free_slots > 0 and max_kv > target.min_chunk:
+        c = -(-(int(tile_kv.sum()) + n_t * target.unit_overhead) // free_slots)
+        c = max(c, target.min_chunk)
+        c = -(-c // target.chunk_align) * target.chunk_align
+        if c < max_kv:
+            chunk = c
+
+    # Buckets from bounds that depend on the batch's tile count and the target
+    # only, never on kv lengths, so growing contexts keep every shape:
+    #   units <= max(n_t, slots)  (chunk was sized so that sum(ceil(kv/c)) <= slots)
+    #   split tiles s: 2s + (n_t - s) <= slots  ->  s <= slots - n_t
+    #   partial rows <= (longest tile) * slots
+    max_qlen = min(max_q, q_tile) if n_t else 1
+    n_work = _bucket(max(n_t, slots), min_work_units)
+    n_merge = _bucket(min(n_t, max(slots - n_t, 0)), min_work_units)
+    n_partial = _bucket(max_qlen * slots if slots > n_t else 0, min_partial_rows)
+    work = np.zeros((n_work, WORK_COLS), np.int32)
+    merge = np.zeros((n_merge, MERGE_COLS), np.int32)
+    w = work.T  # column views: one strided store per column
+
+    if chunk == 0:
+        n_units = n_t
+        w[W_REQUEST, :n_t] = tile_req
+        w[W_QSTART, :n_t] = tile_qstart
+        w[W_QLEN, :n_t] = tile_qlen
+        w[W_QEND_OFFSET, :n_t] = tile_eoff
+        w[W_KV_END, :n_t] = KV_END_OPEN
+        w[W_PARTIAL_ROW, :n_t] = -1
+        u_cost = tile_kv
+    else:
+        n_split = np.maximum(1, -(-tile_kv // chunk))
+        n_units = int(n_split.sum())
+        unit_tile = np.repeat(np.arange(n_t), n_split)
+        unit_j = np.arange(n_units) - (np.cumsum(n_split) - n_split)[unit_tile]
+        u_ns = n_split[unit_tile]
+        u_qlen = tile_qlen[unit_tile]
+        part_rows = np.where(n_split > 1, n_split * tile_qlen, 0)
+        part_base = np.cumsum(part_rows) - part_rows
+        kv_start = unit_j * chunk
+        last = unit_j == u_ns - 1
+        w[W_REQUEST, :n_units] = tile_req[unit_tile]
+        w[W_QSTART, :n_units] = tile_qstart[unit_tile]
+        w[W_QLEN, :n_units] = u_qlen
+        w[W_QEND_OFFSET, :n_units] = tile_eoff[unit_tile]
+        w[W_KV_START, :n_units] = kv_start
+        w[W_KV_END, :n_units] = np.where(last, KV_END_OPEN, kv_start + chunk)
+        w[W_PARTIAL_ROW, :n_units] = np.where(u_ns > 1, part_base[unit_tile] + unit_j * u_qlen, -1)
+        w[W_SPLIT, :n_units] = unit_j
+        u_cost = np.where(last, tile_kv[unit_tile] - kv_start, chunk)
+        split_idx = np.flatnonzero(n_split > 1)
+        m = merge.T
+        m[M_QSTART, : split_idx.size] = tile_qstart[split_idx]
+        m[M_QLEN, : split_idx.size] = tile_qlen[split_idx]
+        m[M_PARTIAL_ROW, : split_idx.size] = part_base[split_idx]
+        m[M_NUM_SPLITS, : split_idx.size] = n_split[split_idx]
+        assert split_idx.size <= n_merge and int(part_rows[-1] + part_base[-1]) <= n_partial
+    assert n_units <= n_work
+    # Longest first: blocks are dispatched in order, so big units must not trail.
+    work[:n_units] = work[np.argsort(-u_cost, kind="stable")]
+
+    tokens = np.empty((num_tokens, 2), np.int32)
+    if max_q == 1 and n_t == num_req:
+        tokens[:total_q, 0] = tile_req
+        tokens[:total_q, 1] = 1
+    else:
+        tokens[:total_q, 0] = np.repeat(np.arange(num_req), qo)
+        tokens[:total_q, 1] = np.repeat(qo_end, qo) - np.arange(total_q)
+    tokens[total_q:] = (-1, 0)
+
+    return MLAPlan(work=work, merge=merge, tokens=tokens, num_tokens=int(num_tokens),
+                   num_heads=int(num_heads), page_size=int(page_size), num_requests=int(num_req),
+                   q_tile=q_tile, num_partial_rows=n_partial)

@@ -1,0 +1,17 @@
+"""Pytest fixtures; the batch builders live in jax_mla.testing (shared with benchmarks)."""
+
+from __future__ import annotations
+
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture
+def rng(request):
+    # A fresh, reproducible stream per test (crc32: str hash() is salted per process).
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

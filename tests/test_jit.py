@@ -1,0 +1,81 @@
+"""The jitted decode step: one trace per bucket, no device->host transfer, one plan for N steps."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_mla import PlanTarget, append_paged_kv, mla_paged_attention, mla_paged_attention_reference, plan_mla
+from jax_mla.testing import random_paged_batch, rel_err
+
+HEADS, PAGE, SCALE = 4, 16, 0.125
+TARGET = PlanTarget(num_workers=8, min_chunk=32, chunk_align=16)
+
+
+def make_step(counter):
+    @jax.jit
+    def step(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan):
+        counter.append(1)  # runs once per trace
+        return mla_paged_attention(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan,
+                                   sm_scale=SCALE, return_lse=True)
+    return step
+
+
+def test_no_retrace_and_no_device_to_host_within_a_bucket(rng):
+    batch = 6
+    b = random_paged_batch(rng, np.ones(batch, int), np.full(batch, 400), num_heads=HEADS, page_size=PAGE,
+                           max_pages=40)
+    traces = []
+    step = make_step(traces)
+    for i in range(6):
+        kv = rng.integers(1, 600, batch)
+        plan = plan_mla(np.ones(batch, int), kv, num_heads=HEADS, page_size=PAGE, target=TARGET)
+        kv_dev = jnp.asarray(kv, jnp.int32)
+        with jax.transfer_guard_device_to_host("disallow"):
+            out, lse = step(b.q_nope, b.q_pe, b.ckv, b.kpe, b.page_table, kv_dev, plan)
+        ref, ref_lse = mla_paged_attention_reference(b.q_nope, b.q_pe, b.ckv, b.kpe, b.page_table, kv_dev,
+                                                     plan, sm_scale=SCALE, return_lse=True)
+        assert rel_err(out, ref) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
+    assert len(traces) == 1
+
+
+def test_new_bucket_retraces_once(rng):
+    traces = []
+    step = make_step(traces)
+    for batch in (4, 4, 40, 40):
+        b = random_paged_batch(rng, np.ones(batch, int), np.full(batch, 50), num_heads=HEADS, page_size=PAGE)
+        plan = plan_mla(b.qo_lens, b.kv_lens_host, num_heads=HEADS, page_size=PAGE, target=TARGET)
+        step(*b.args(plan))
+    assert len(traces) == 2
+
+
+@pytest.mark.parametrize("qo", [1, 3])
+def test_one_plan_serves_n_jitted_steps(rng, qo):
+    """A fori_loop of N steps on one plan made for lengths + N*qo: append, attend, advance."""
+    batch, n_steps = 3, 5
+    kv0 = rng.integers(qo, 200, batch)
+    kv_final = kv0 + n_steps * qo
+    b = random_paged_batch(rng, np.full(batch, qo), kv_final, num_heads=HEADS, page_size=PAGE,
+                           num_tokens=batch * qo)
+    plan = plan_mla(np.full(batch, qo), kv_final, num_heads=HEADS, page_size=PAGE, target=TARGET)
+    news = jnp.asarray(rng.standard_normal((n_steps, batch * qo, 64 + 16)), jnp.float32)
+    qs = jnp.asarray(rng.standard_normal((n_steps, batch * qo, HEADS, 64 + 16)), jnp.float32)
+
+    def body(attn, i, carry):
+        ckv, kpe, kv, outs = carry
+        ckv, kpe = append_paged_kv(ckv, kpe, news[i, :, :64], news[i, :, 64:], b.page_table, kv, plan)
+        o = attn(qs[i, ..., :64], qs[i, ..., 64:], ckv, kpe, b.page_table, kv, plan, sm_scale=SCALE)
+        return ckv, kpe, kv + qo, outs.at[i].set(o)
+
+    def run(attn):
+        outs = jnp.zeros((n_steps, batch * qo, HEADS, 64))
+        init = (b.ckv, b.kpe, jnp.asarray(kv0, jnp.int32), outs)
+        return jax.jit(lambda c: jax.lax.fori_loop(0, n_steps, lambda i, c: body(attn, i, c), c))(init)[3]
+
+    with jax.transfer_guard_device_to_host("disallow"):
+        got = run(mla_paged_attention)
+    want = run(mla_paged_attention_reference)
+    assert rel_err(got, want) < 1e-5
+    assert np.isfinite(np.asarray(got)).all() and np.abs(np.asarray(got)).sum() > 0

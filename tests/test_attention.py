@@ -1,0 +1,341 @@
+"""The op's FFI kernel (the C++ handler on CPU, the CUDA one on a GPU) against
+the float32 jax.numpy reference, over random ragged paged batches.
+
+Every test runs on whatever `jax.default_backend()` is and skips, saying why,
+when that platform has no kernel for the head dims (the CUDA kernel is built
+for d_ckv=512, d_kpe=64 only). Cache slots that no request may see are filled
+with NaN before the kernel runs: a kernel that reads (or multiplies by) a key
+outside a request's kv range turns its output into NaN. The reference gets the
+same caches without the NaNs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_mla import PlanTarget, mla_paged_attention, mla_paged_attention_reference, plan_mla
+from jax_mla import _ffi
+from jax_mla.attention import CUDA_DIMS
+from jax_mla.planner import KV_END_OPEN, M_QLEN, W_KV_END, W_PARTIAL_ROW, W_QLEN
+from jax_mla.testing import random_paged_batch, rel_err
+
+BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
+# Relative norm error against the float32 reference. 16-bit outputs carry their
+# own rounding (~1e-3 for bf16), so these are a few of those.
+OUT_TOL = {F32: 1e-5, BF16: 6e-3, F16: 2e-3}
+# LSE: scores are float32 products of the same (upcast) inputs on both sides.
+LSE_ATOL = {F32: 1e-4, BF16: 1e-3, F16: 1e-3}
+
+SMALL = (64, 16)   # d_ckv, d_kpe: CPU-only, keeps CI fast
+DEEPSEEK = (512, 64)
+# Many small units: every long request is split and merged.
+SPLIT = PlanTarget(num_workers=256, min_chunk=16, chunk_align=16)
+# One worker: no request is ever split.
+NO_SPLIT = PlanTarget(num_workers=1, units_per_worker=1.0, min_chunk=1 << 20)
+SCALE = 0.09
+
+
+def require_kernel(d_ckv: int, d_kpe: int) -> None:
+    platform = jax.default_backend()
+    if not _ffi.has_ffi(platform):
+        pytest.skip(f"no FFI kernel registered for platform {platform!r} "
+                    f"(built: {sorted(_ffi.registered_platforms())})")
+    if platform != "cpu" and (d_ckv, d_kpe) not in CUDA_DIMS:
+        pytest.skip(f"the CUDA kernel is built for head dims {CUDA_DIMS}, not {(d_ckv, d_kpe)}")
+
+
+@functools.partial(jax.jit, static_argnames=("return_lse",))
+def run_ffi(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, return_lse=True):
+    return mla_paged_attention(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale=SCALE,
+                               return_lse=return_lse, backend="ffi")
+
+
+@jax.jit
+def run_reference(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan):
+    f32 = lambda x: x.astype(jnp.float32)
+    return mla_paged_attention_reference(f32(q_nope), f32(q_pe), f32(ckv), f32(kpe), page_table, kv_lens,
+                                         plan, sm_scale=SCALE, return_lse=True)
+
+
+def ragged_lengths(rng, num_requests: int, max_kv: int = 600):
+    """q lengths 1-8 and kv lengths up to max_kv, plus the corner cases: a fresh
+    request (kv_len == q_len) and an empty request slot (0 and 0)."""
+    qo = rng.integers(1, 9, num_requests)
+    kv = np.maximum(rng.integers(0, max_kv + 1, num_requests), qo)
+    kv[0] = qo[0]
+    qo[1] = kv[1] = 0
+    return qo, kv
+
+
+def poison_unseen(cache, page_table, kv_lens, page_size):
+    """NaN in every cache slot that no request may read under `kv_lens`."""
+    page_table = np.asarray(page_table)
+    num_pages = cache.shape[0]
+    capacity = page_table.shape[1] * page_size
+    seen = np.zeros((num_pages, page_size), bool)
+    for r, n in enumerate(np.clip(np.asarray(kv_lens)[: page_table.shape[0]], 0, capacity)):
+        pos = np.arange(n)
+        pages = page_table[r, pos // page_size]
+        ok = (pages >= 0) & (pages < num_pages)
+        seen[pages[ok], (pos % page_size)[ok]] = True
+    return jnp.where(jnp.asarray(seen)[..., None], cache, jnp.nan).astype(cache.dtype)
+
+
+def check_against_reference(batch, plan, *, page_table=None, kv_lens=None, return_lse=True):
+    """Runs the kernel on NaN-poisoned caches and the reference on clean ones."""
+    page_table = batch.page_table if page_table is None else page_table
+    kv_lens = batch.kv_lens if kv_lens is None else kv_lens
+    ps = batch.ckv.shape[1]
+    ckv = poison_unseen(batch.ckv, page_table, kv_lens, ps)
+    kpe = poison_unseen(batch.kpe, page_table, kv_lens, ps)
+    got = run_ffi(batch.q_nope, batch.q_pe, ckv, kpe, page_table, kv_lens, plan, return_lse=return_lse)
+    out, lse = got if return_lse else (got, None)
+    ref_out, ref_lse = run_reference(batch.q_nope, batch.q_pe, batch.ckv, batch.kpe, page_table, kv_lens, plan)
+
+    dtype = jnp.dtype(batch.q_nope.dtype)
+    assert out.dtype == dtype and out.shape == batch.q_nope.shape
+    out = np.asarray(out.astype(jnp.float32))
+    ref_out, ref_lse = np.asarray(ref_out), np.asarray(ref_lse)
+    assert np.isfinite(out).all(), "kernel output has NaN/inf (read an unseen cache slot?)"
+    err = rel_err(out, ref_out)
+    assert err < OUT_TOL[dtype], f"relative error {err:.2e} >= {OUT_TOL[dtype]:.0e} ({dtype})"
+    empty = np.isneginf(ref_lse)  # rows that see no key: padding tokens, empty requests
+    assert (out[empty] == 0).all(), "rows that see no key must be exactly zero"
+    if lse is not None:
+        assert lse.dtype == F32 and lse.shape == ref_lse.shape
+        lse = np.asarray(lse)
+        np.testing.assert_array_equal(np.isneginf(lse), empty)
+        assert not np.isnan(lse).any()
+        if (~empty).any():
+            diff = np.abs(lse[~empty] - ref_lse[~empty]).max()
+            assert diff <= LSE_ATOL[dtype], f"LSE differs by {diff:.2e}"
+    return out, ref_lse
+
+
+def assert_splits(plan, expected: bool):
+    """Guards the test's premise: the plan does (or does not) split and merge."""
+    work, merge = np.asarray(plan.work), np.asarray(plan.merge)
+    live = work[work[:, W_QLEN] > 0]
+    has_split = bool((live[:, W_PARTIAL_ROW] >= 0).any()) and bool((merge[:, M_QLEN] > 0).any())
+    assert has_split == expected, plan.describe()
+
+
+# ---- random ragged batches ----------------------------------------------------------
+
+def _cases():
+    cases = []
+    heads = (1, 3, 16)
+    i = 0
+    # Small head dims (CPU): every dtype x page size x split, heads and LSE varied.
+    for dtype in (F32, BF16, F16):
+        for ps in (1, 16, 64):
+            for split in (True, False):
+                h, lse = heads[i % 3], (i // 2) % 2 == 0
+                cases.append(pytest.param(SMALL, dtype, ps, h, split, lse,
+                                          id=f"small-{dtype.name}-ps{ps}-h{h}-"
+                                             f"{'split' if split else 'nosplit'}-{'lse' if lse else 'out'}"))
+                i += 1
+    # DeepSeek head dims: what the CUDA kernel runs; a spread over the same axes.
+    for dtype, ps, h, split, lse in ((BF16, 64, 16, True, True), (BF16, 1, 3, False, True),
+                                     (BF16, 16, 128, True, False), (F16, 64, 1, True, True),
+                                     (F16, 16, 16, False, True), (F32, 16, 16, True, True),
+                                     (F32, 64, 128, False, True), (BF16, 64, 128, False, True)):
+        cases.append(pytest.param(DEEPSEEK, dtype, ps, h, split, lse,
+                                  id=f"deepseek-{dtype.name}-ps{ps}-h{h}-{'split' if split else 'nosplit'}-"
+                                     f"{'lse' if lse else 'out'}"))
+    return cases
+
+
+@pytest.mark.parametrize("dims,dtype,page_size,heads,split,with_lse", _cases())
+def test_random_ragged_batch(rng, dims, dtype, page_size, heads, split, with_lse):
+    require_kernel(*dims)
+    qo, kv = ragged_lengths(rng, 5)
+    padding = 3
+    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=page_size, d_ckv=dims[0],
+                               d_kpe=dims[1], dtype=dtype, num_tokens=int(qo.sum()) + padding)
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=page_size, num_tokens=int(qo.sum()) + padding,
+                    target=SPLIT if split else NO_SPLIT)
+    assert_splits(plan, split)
+    _, ref_lse = check_against_reference(batch, plan, return_lse=with_lse)
+    assert np.isneginf(ref_lse[-padding:]).all()
+
+
+@pytest.mark.parametrize("dims", [SMALL, DEEPSEEK], ids=["small", "deepseek"])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_batch(rng, dims, heads):
+    """q_len 1 everywhere (the decode step), incl. requests holding one key."""
+    require_kernel(*dims)
+    n = 12
+    qo = np.ones(n, np.int64)
+    kv = rng.integers(1, 601, n)
+    kv[:2] = 1
+    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=16, d_ckv=dims[0], d_kpe=dims[1],
+                               dtype=BF16)
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=16, target=SPLIT)
+    check_against_reference(batch, plan)
+
+
+@pytest.mark.parametrize("heads", [1, 3, 16])
+def test_long_ragged_extend(rng, heads):
+    """Chunked prefill: query blocks longer than a tile, over a paged prefix."""
+    dims = SMALL if jax.default_backend() == "cpu" else DEEPSEEK
+    require_kernel(*dims)
+    qo = np.array([70, 1, 130, 9])
+    kv = np.array([250, 300, 130, 9])
+    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=16, d_ckv=dims[0], d_kpe=dims[1],
+                               dtype=BF16)
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=16, target=SPLIT)
+    assert plan.q_tile < qo.max()
+    check_against_reference(batch, plan)
+
+
+# ---- one plan, other device lengths -------------------------------------------------
+
+@pytest.mark.parametrize("dims", [SMALL, DEEPSEEK], ids=["small", "deepseek"])
+def test_plan_reuse_over_decode_steps(rng, dims):
+    """A plan made for lengths L + N serves device lengths L, L+1, ..., L+N."""
+    require_kernel(*dims)
+    steps, heads, ps = 4, 16, 16
+    qo = rng.integers(1, 4, 6)
+    kv = np.maximum(rng.integers(1, 500, 6), qo)
+    kv[0] = 300  # long enough to be split under the planned lengths
+    plan = plan_mla(qo, kv + steps, num_heads=heads, page_size=ps, target=SPLIT)
+    assert_splits(plan, True)
+    work = np.asarray(plan.work)
+    assert (work[work[:, W_QLEN] > 0, W_KV_END] == KV_END_OPEN).any()
+    batch = random_paged_batch(rng, qo, kv + steps, num_heads=heads, page_size=ps, d_ckv=dims[0],
+                               d_kpe=dims[1], dtype=BF16)
+    for s in range(steps + 1):
+        q_nope = jnp.asarray(rng.standard_normal(batch.q_nope.shape, np.float32), BF16)
+        check_against_reference(dataclasses.replace(batch, q_nope=q_nope), plan, kv_lens=jnp.asarray(kv + s, jnp.int32))
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_device_lengths_shorter_than_planned(rng, split):
+    """Device lengths below the plan's: slices are clipped, early tokens of a
+    request whose kv is shorter than its q block see nothing (zeros, -inf)."""
+    dims = SMALL if jax.default_backend() == "cpu" else DEEPSEEK
+    require_kernel(*dims)
+    qo, kv = ragged_lengths(rng, 8)
+    qo[2:4] = 6
+    kv[2:4] = 400
+    batch = random_paged_batch(rng, qo, kv, num_heads=3, page_size=16, d_ckv=dims[0], d_kpe=dims[1],
+                               dtype=F32)
+    plan = plan_mla(qo, kv, num_heads=3, page_size=16, target=SPLIT if split else NO_SPLIT)
+    device = rng.integers(0, kv + 1)
+    device[2] = 3  # < q_len 6: its first three tokens see no key
+    device[3] = 0  # a request that lost everything
+    _, ref_lse = check_against_reference(batch, plan, kv_lens=jnp.asarray(device, jnp.int32))
+    start = int(qo[:3].sum())  # rows of request 3 (all empty), then request 2's first three
+    assert np.isneginf(ref_lse[start:start + 6]).all()
+    assert np.isneginf(ref_lse[start - 6:start - 3]).all() and np.isfinite(ref_lse[start - 3:start]).all()
+
+
+def test_empty_requests_and_padding_tokens_by_hand(rng):
+    """Results fixed without the reference: a token that sees no key gives zeros
+    and LSE -inf; one that sees a single key gives that key's ckv row and LSE
+    equal to its scaled score."""
+    dims = SMALL if jax.default_backend() == "cpu" else DEEPSEEK
+    require_kernel(*dims)
+    heads, ps = 3, 16
+    qo = np.array([0, 1, 0, 2])
+    kv = np.array([0, 5, 0, 9])
+    padding = 5
+    t = int(qo.sum()) + padding
+    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=ps, d_ckv=dims[0], d_kpe=dims[1],
+                               dtype=F32, num_tokens=t)
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=ps, num_tokens=t, target=SPLIT)
+    device = jnp.asarray([0, 0, 0, 1], jnp.int32)  # request 1 sees nothing; request 3 one key
+    ckv = poison_unseen(batch.ckv, batch.page_table, device, ps)
+    kpe = poison_unseen(batch.kpe, batch.page_table, device, ps)
+    out, lse = run_ffi(batch.q_nope, batch.q_pe, ckv, kpe, batch.page_table, device, plan)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    empty_rows = [0, 1] + list(range(3, t))  # request 1, request 3's first token, padding
+    assert (out[empty_rows] == 0).all() and np.isneginf(lse[empty_rows]).all()
+    page = batch.page_table_host[3, 0]
+    key_c, key_r = np.asarray(batch.ckv)[page, 0], np.asarray(batch.kpe)[page, 0]
+    np.testing.assert_allclose(out[2], np.broadcast_to(key_c, (heads, dims[0])), rtol=1e-5, atol=1e-5)
+    score = SCALE * (np.asarray(batch.q_nope)[2] @ key_c + np.asarray(batch.q_pe)[2] @ key_r)
+    np.testing.assert_allclose(lse[2], score, rtol=1e-5, atol=1e-5)
+
+
+# ---- robustness against bad device values -------------------------------------------
+
+def test_out_of_range_device_values_are_clipped(rng):
+    """Device data is never validated on the host: page ids outside the cache
+    contribute nothing and kv lengths are clipped to the page table's capacity,
+    as in the reference. Nothing is read out of bounds."""
+    dims = SMALL if jax.default_backend() == "cpu" else DEEPSEEK
+    require_kernel(*dims)
+    heads, ps = 4, 16
+    qo, kv = ragged_lengths(rng, 6)
+    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=ps, d_ckv=dims[0], d_kpe=dims[1],
+                               dtype=F32)
+    num_pages = batch.ckv.shape[0]
+    table = batch.page_table_host.copy()
+    table[2, 0] = -7
+    table[3, 1] = num_pages + 11
+    table[4, -1] = 2**31 - 1
+    device_kv = kv.copy()
+    capacity = table.shape[1] * ps
+    device_kv[4] = capacity + 1000  # beyond every page of the table
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=ps, target=SPLIT)
+    check_against_reference(batch, plan, page_table=jnp.asarray(table),
+                            kv_lens=jnp.asarray(device_kv, jnp.int32))
+
+
+def test_cpu_threads_do_not_change_results(rng, monkeypatch):
+    """Units write disjoint rows and each is computed the same way on any
+    thread: one thread and many give bit-identical outputs."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("JAX_MLA_CPU_THREADS is a knob of the CPU handler")
+    require_kernel(*DEEPSEEK)
+    qo, kv = ragged_lengths(rng, 6)
+    batch = random_paged_batch(rng, qo, kv, num_heads=16, page_size=64, d_ckv=512, d_kpe=64, dtype=BF16)
+    plan = plan_mla(qo, kv, num_heads=16, page_size=64, target=SPLIT)
+    results = []
+    for threads in ("1", "7"):
+        monkeypatch.setenv("JAX_MLA_CPU_THREADS", threads)
+        out, lse = run_ffi(*batch.args(plan))
+        results.append((np.asarray(out.astype(jnp.float32)), np.asarray(lse)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+def test_cpu_handler_rejects_bad_operands():
+    """Defense behind the Python validation: the handler itself refuses operands
+    of the wrong rank or dtype instead of reading them."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("calls the CPU handler directly")
+    require_kernel(*SMALL)
+    t, h, p, ps = 2, 3, 4, 16
+    f = lambda *s, dt=F32: jnp.ones(s, dt)
+    i32 = lambda *s: jnp.zeros(s, jnp.int32)
+    good = dict(q_nope=f(t, h, 64), q_pe=f(t, h, 16), ckv=f(p, ps, 64), kpe=f(p, ps, 16),
+                page_table=i32(1, 2), kv_lens=i32(1), work=i32(16, 8), merge=i32(16, 4))
+
+    def call(**override):
+        ops = {**good, **override}
+        q = ops["q_nope"]
+        outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], F32),
+                jax.ShapeDtypeStruct((16, h, q.shape[-1]), F32), jax.ShapeDtypeStruct((16, h), F32))
+        res = jax.ffi.ffi_call(_ffi.ATTENTION_TARGET, outs)(*ops.values(), sm_scale=np.float32(0.1))
+        return jax.block_until_ready(res)
+
+    out, lse, _, _ = call()  # all padding work rows: zeros and -inf
+    assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
+    for override, message in ((dict(q_nope=f(t, h * 64)), "rank"),
+                              (dict(kpe=f(p, ps, 16, dt=BF16)), "dtype"),
+                              (dict(ckv=f(p, ps, 32)), "disagree"),
+                              (dict(work=i32(16, 7)), "plan tables"),
+                              (dict(page_table=i32(2)), "rank"),
+                              (dict(q_nope=i32(t, h, 64)), "float32, bfloat16 or float16")):
+        with pytest.raises(Exception, match=message):
+            call(**override)

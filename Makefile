@@ -5,7 +5,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jax_mla-installed
-NATIVE_SOURCES := $(wildcard ffi/*/*.cc ffi/*/*.cu ffi/include/*/*.h ffi/*.py)
+NATIVE_SOURCES := $(wildcard ffi/*/*.cc ffi/*/*.cu ffi/*/*.cuh ffi/include/*/*.h ffi/*.py)
+# The editable install maps the package's modules as they were at install time, so
+# a new module needs a reinstall: keep the module list in a file that changes only
+# when the list does, and depend on it.
+MODULE_LIST := $(VENV)/.jax_mla-modules
+MODULES := $(sort $(wildcard jax_mla/*.py jax_mla/*/*.py))
+$(shell mkdir -p $(VENV) && (echo '$(MODULES)' | cmp -s - $(MODULE_LIST) || echo '$(MODULES)' > $(MODULE_LIST)))
 
 .PHONY: demo test install
 
@@ -14,7 +20,7 @@ $(PY):
 	$(PY) -m pip install -q -U pip
 
 # Re-run the install (and so the native build) whenever the build inputs change.
-$(STAMP): pyproject.toml CMakeLists.txt $(NATIVE_SOURCES) | $(PY)
+$(STAMP): pyproject.toml CMakeLists.txt $(NATIVE_SOURCES) $(MODULE_LIST) | $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 

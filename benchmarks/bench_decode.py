@@ -1,0 +1,164 @@
+"""Decode-step benchmark of a DeepSeek-V2-Lite-shaped MLA attention stack: our op vs the jnp reference.
+
+Model: hidden 2048, 16 heads, q_proj (no q LoRA), kv_lora_rank 512, rope 64, nope 128,
+v 128, --layers layers of [RMSNorm, MLAAttention, residual] (no MLP), small lm_head,
+bf16. Batch --batch requests, each with --context cached tokens (random latents).
+
+Per backend ('auto' = the FFI kernel of this platform, and 'reference'):
+  device ms/step   a dependent chain of --chain decode steps in one jit (lax.scan on one
+                   plan, caches donated), wall time / steps; median of --repeats.
+  host us/step     the host-planned loop: reserve + plan + page-table update ("plan") and
+                   the jitted step's dispatch ("dispatch"), medians over --host-steps steps;
+                   "loop ms/step" is that loop's wall time per step (host and device overlap).
+  check            relative L2 norm of one step's logits against the reference backend,
+                   from identical caches and tokens.
+
+    python benchmarks/bench_decode.py                  # GPU, batch 64 x 4096
+    python benchmarks/bench_decode.py --small          # quick CPU run of the same code
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_mla.attention import _pick_backend
+from jax_mla.nn import DeepseekConfig, DeepseekModel, Generator, PagedCacheManager
+
+BYTES_PER_KV_TOKEN = (512 + 64) * 2  # bf16 ckv + kpe
+
+
+def v2_lite_attention_config(layers: int, heads: int) -> DeepseekConfig:
+    return DeepseekConfig(hidden_size=2048, num_attention_heads=heads, q_lora_rank=None, kv_lora_rank=512,
+                          qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=1024,
+                          intermediate_size=1, num_hidden_layers=layers, model_type="deepseek_v2")
+
+
+def fresh_generator(model, args, backend, seed):
+    """A generator whose requests already hold `context` tokens of random latents."""
+    slack = (1 + args.repeats) * args.chain + args.host_steps + 2
+    pages_per_request = -(-(args.context + slack) // args.page_size)
+    mgr = PagedCacheManager(num_pages=args.batch * pages_per_request, page_size=args.page_size,
+                            max_requests=args.batch, max_pages_per_request=pages_per_request)
+    gen = Generator(model, mgr, backend=backend, min_token_bucket=args.batch)
+    slots = mgr.admit([args.context] * args.batch)
+    mgr.commit(slots, args.context)
+    mgr.sync()
+    key = jax.random.key(seed)
+    caches = []
+    for kv in gen.caches:
+        key, k1, k2 = jax.random.split(key, 3)
+        caches.append(type(kv)(jax.random.normal(k1, kv.ckv.shape, kv.ckv.dtype),
+                               jax.random.normal(k2, kv.kpe.shape, kv.kpe.dtype)))
+    gen.caches = tuple(caches)
+    key, k3 = jax.random.split(key)
+    gen.next_tokens = jax.random.randint(k3, gen.next_tokens.shape, 0, model.cfg.vocab_size, jnp.int32)
+    jax.block_until_ready((gen.caches, gen.next_tokens))
+    return gen
+
+
+def measure(model, args, backend):
+    # One step's logits, for the check against the reference.
+    gen = fresh_generator(model, args, backend, seed=1)
+    logits = np.asarray(gen.decode(1, with_logits=True)[0], np.float32)[: args.batch]
+    del gen
+
+    gen = fresh_generator(model, args, backend, seed=2)
+    gen.decode_jitted(args.chain)  # compile + warm up
+    jax.block_until_ready(gen.caches)
+    per_step = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        gen.decode_jitted(args.chain)
+        jax.block_until_ready(gen.caches)
+        per_step.append((time.perf_counter() - t0) / args.chain)
+
+    gen.decode(2)  # compile the single step
+    jax.block_until_ready(gen.caches)
+    gen.timings.clear()
+    t0 = time.perf_counter()
+    gen.decode(args.host_steps, fetch_lag=args.host_steps + 1)
+    jax.block_until_ready(gen.caches)
+    loop = (time.perf_counter() - t0) / args.host_steps
+    gen.results()
+    mgr = gen.manager
+    plan = mgr.plan(mgr.active.astype(np.int64), mgr.lengths + 1, num_heads=model.cfg.num_attention_heads,
+                    num_tokens=args.batch)
+    plan_bytes = sum(np.asarray(x).nbytes for x in (plan.work, plan.merge, plan.tokens)) + 4 * mgr.max_requests
+    return logits, {
+        "device_ms_per_step": 1e3 * float(np.median(per_step)),
+        "device_ms_per_step_all": [1e3 * x for x in per_step],
+        "host_plan_us": 1e6 * float(np.median(gen.timings["plan_s"])),
+        "host_dispatch_us": 1e6 * float(np.median(gen.timings["dispatch_s"])),
+        "loop_ms_per_step": 1e3 * loop,
+        "h2d_bytes_per_step_plan_and_lengths": int(plan_bytes),
+        "traces": dict(gen.traces),
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="tiny shapes for a CPU check of the script")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--context", type=int)
+    p.add_argument("--layers", type=int)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--chain", type=int, help="decode steps per timed jit")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--host-steps", type=int, help="steps of the host-planned loop")
+    p.add_argument("--json", default="bench_decode.json", help="where to write the results")
+    args = p.parse_args(argv)
+    small = dict(batch=4, context=200, layers=2, chain=4, host_steps=8)
+    full = dict(batch=64, context=4096, layers=4, chain=16, host_steps=32)
+    for k, v in (small if args.small else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+    dev = jax.devices()[0]
+    cfg = v2_lite_attention_config(args.layers, args.heads)
+    model = DeepseekModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, with_mlp=False)
+    # Which implementation 'auto' runs here (the FFI kernel, or the reference where none is built).
+    resolved = _pick_backend("auto", 512, 64)
+    print(f"device: {dev.platform} {dev.device_kind}; jax {jax.__version__}; 'auto' runs: {resolved}")
+    print(f"stack: {args.layers} layers, {args.heads} heads, kv_lora 512, rope 64, bf16; batch {args.batch} x "
+          f"context {args.context}, page size {args.page_size}")
+
+    results = {}
+    logits = {}
+    for backend in ("auto", "reference"):
+        logits[backend], results[backend] = measure(model, args, backend)
+    ref = logits["reference"]
+    for backend in results:
+        err = float(np.linalg.norm(logits[backend] - ref) / np.linalg.norm(ref))
+        results[backend]["logits_rel_err_vs_reference"] = err
+
+    kv_bytes = args.batch * args.context * BYTES_PER_KV_TOKEN * args.layers
+    print(f"\n{'backend':<10} {'device ms/step':>15} {'plan us':>9} {'dispatch us':>12} {'loop ms/step':>13} "
+          f"{'kv GB/s':>9} {'rel err':>9}")
+    for backend, r in results.items():
+        gbs = kv_bytes / (r["device_ms_per_step"] * 1e-3) / 1e9
+        r["kv_gb_per_s_whole_step"] = gbs
+        print(f"{backend:<10} {r['device_ms_per_step']:>15.3f} {r['host_plan_us']:>9.0f} "
+              f"{r['host_dispatch_us']:>12.0f} {r['loop_ms_per_step']:>13.3f} {gbs:>9.1f} "
+              f"{r['logits_rel_err_vs_reference']:>9.2e}")
+    speedup = results["reference"]["device_ms_per_step"] / results["auto"]["device_ms_per_step"]
+    print(f"\nour op vs reference, device time per decode step: {speedup:.2f}x")
+    print("(kv GB/s = cached kv bytes of all layers / whole-step device time: a lower bound for the attention op)")
+    out = {"device": f"{dev.platform} {dev.device_kind}", "jax": jax.__version__, "host": platform.node(),
+           "auto_backend": resolved,
+           "args": vars(args), "speedup_device_time": speedup, "results": results}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

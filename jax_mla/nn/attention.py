@@ -1,0 +1,207 @@
+"""Flax NNX Multi-head Latent Attention with DeepSeek-V2/V3 semantics over a paged latent cache."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..attention import mla_paged_attention
+from ..cache import append_paged_kv
+from ..planner import MLAPlan
+from ..reference import visible_keys
+from .config import DeepseekConfig
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+__all__ = ["PagedKV", "PagedBatch", "RMSNorm", "MLAAttention", "token_positions", "FORMS"]
+
+FORMS = ("absorbed", "expanded")
+
+
+class PagedKV(NamedTuple):
+    """One layer's latent cache: ckv [P, page_size, kv_lora_rank], kpe [P, page_size, rope_dim]."""
+
+    ckv: jax.Array
+    kpe: jax.Array
+
+
+class PagedBatch(NamedTuple):
+    """Where this step's tokens sit: shared by every layer.
+
+    page_table [R, max_pages] int32 and kv_lens [R] int32 live on the device
+    (kv_lens include this step's tokens); plan comes from `plan_mla` on host lengths.
+    """
+
+    page_table: jax.Array
+    kv_lens: jax.Array
+    plan: MLAPlan
+
+
+def token_positions(batch: PagedBatch) -> jax.Array:
+    """Position of each query token in its sequence, read from the device kv lengths.
+
+    The token with offset e from the end of its request's block sits at
+    kv_len - e; padding tokens get 0 (their results are dropped).
+    """
+    capacity = batch.page_table.shape[1] * batch.plan.page_size
+    _, n_vis = visible_keys(jnp.asarray(batch.plan.tokens), batch.kv_lens, capacity)
+    return jnp.maximum(n_vis - 1, 0)
+
+
+class RMSNorm(nnx.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, normalised in float32 (as transformers' DeepseekV3RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, dtype=None, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = float(eps)
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        out_dtype = self.dtype or x.dtype
+        w = self.weight[...].reshape((1,) * (x.ndim - 1) + (-1,))
+        return (w * y.astype(x.dtype)).astype(out_dtype)
+
+
+class MLAAttention(nnx.Module):
+    """DeepSeek-V2/V3 Multi-head Latent Attention.
+
+    Weights (HF names): q_proj, or q_a_proj -> q_a_layernorm -> q_b_proj;
+    kv_a_proj_with_mqa (-> compressed kv [kv_lora_rank] and k_pe [rope dim]);
+    kv_a_layernorm; kv_b_proj held as its two halves per head,
+    w_uk [H, qk_nope_head_dim, kv_lora_rank] and w_uv [H, v_head_dim, kv_lora_rank];
+    o_proj. nnx.Linear kernels are [in, out] (HF's weight transposed).
+
+    The cache holds the normalised compressed kv and the roped k_pe of every
+    token, in two arrays. Two ways to attend, same result:
+      absorbed: q_nope @ W_UK -> [T, H, kv_lora_rank], the paged op over the
+        cache, then @ W_UV. For decode and extends over a cached prefix.
+      expanded: k_nope = ckv @ W_UK^T and v = ckv @ W_UV^T for this step's tokens,
+        standard attention among them. Only for batches whose requests have no
+        cached prefix (fresh prompts: kv_len == q_len); cheaper for long prompts.
+    Scores are q_nope.k_nope + q_pe.k_pe on both paths: the nope and rope parts
+    are never concatenated.
+    """
+
+    def __init__(self, cfg: DeepseekConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 precision=None):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.precision = precision
+        h, r = cfg.num_attention_heads, cfg.kv_lora_rank
+        dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+
+        def linear(n_in, n_out, bias):
+            return nnx.Linear(n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+                              precision=precision, rngs=rngs)
+
+        if cfg.q_lora_rank is None:
+            self.q_proj = linear(cfg.hidden_size, h * cfg.qk_head_dim, False)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank, cfg.attention_bias)
+            # DeepSeek builds the two latent norms with the default eps (1e-6), not rms_norm_eps.
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, dtype=dtype, param_dtype=param_dtype)
+            self.q_b_proj = linear(cfg.q_lora_rank, h * cfg.qk_head_dim, False)
+        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, r + dr, cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(r, dtype=dtype, param_dtype=param_dtype)
+        init = nnx.initializers.normal(stddev=r ** -0.5)
+        self.w_uk = nnx.Param(init(rngs.params(), (h, dn, r), param_dtype))
+        self.w_uv = nnx.Param(init(rngs.params(), (h, dv, r), param_dtype))
+        self.o_proj = linear(h * dv, cfg.hidden_size, cfg.attention_bias)
+
+    # ---- pieces -------------------------------------------------------------
+    def queries(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """q_nope [T, H, qk_nope_head_dim] and unroped q_pe [T, H, qk_rope_head_dim]."""
+        cfg = self.cfg
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(x.shape[0], cfg.num_attention_heads, cfg.qk_head_dim)
+        return q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+
+    def latents(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Normalised compressed kv [T, kv_lora_rank] and unroped k_pe [T, qk_rope_head_dim]."""
+        kv = self.kv_a_proj_with_mqa(x)
+        r = self.cfg.kv_lora_rank
+        return self.kv_a_layernorm(kv[:, :r]), kv[:, r:]
+
+    def rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Rope x [T, ..., rope_dim] at positions [T]."""
+        cfg = self.cfg
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg), cfg.rope_attention_factor)
+        extra = (1,) * (x.ndim - 2)
+        cos = cos.reshape(cos.shape[:1] + extra + cos.shape[1:])
+        sin = sin.reshape(sin.shape[:1] + extra + sin.shape[1:])
+        return apply_rope(x, cos, sin, interleave=cfg.rope_interleave)
+
+    # ---- forward ------------------------------------------------------------
+    def __call__(self, x: jax.Array, kv: PagedKV, batch: PagedBatch, *, form: str = "absorbed",
+                 backend: str = "auto") -> tuple[jax.Array, PagedKV]:
+        """x [T, hidden] (the plan's T query tokens) -> (y [T, hidden], updated cache).
+
+        This step's compressed kv and k_pe are written to the cache at their
+        positions (kv_len - e) before attending, so queries see them. Pass the
+        cache arrays donated into the jitted step and the writes happen in place.
+        """
+        if form not in FORMS:
+            raise ValueError(f"form={form!r} is not one of {FORMS}")
+        cfg = self.cfg
+        t = x.shape[0]
+        if t != batch.plan.num_tokens:
+            raise ValueError(f"x has {t} tokens but the plan was made for {batch.plan.num_tokens}")
+        h, dv = cfg.num_attention_heads, cfg.v_head_dim
+        cache_dtype = kv.ckv.dtype
+        positions = token_positions(batch)
+        q_nope, q_pe = self.queries(x)
+        q_pe = self.rope(q_pe, positions)
+        ckv_new, kpe_new = self.latents(x)
+        kpe_new = self.rope(kpe_new, positions)
+        # Both forms attend to the values as stored (cache dtype) so they agree in bf16 too.
+        ckv_new = ckv_new.astype(cache_dtype)
+        kpe_new = kpe_new.astype(cache_dtype)
+        ckv, kpe = append_paged_kv(kv.ckv, kv.kpe, ckv_new, kpe_new, batch.page_table, batch.kv_lens,
+                                   batch.plan)
+        w_uk = self.w_uk[...].astype(self.dtype)
+        w_uv = self.w_uv[...].astype(self.dtype)
+        if form == "absorbed":
+            q_abs = jnp.einsum("thd,hdr->thr", q_nope, w_uk, precision=self.precision)
+            latent = mla_paged_attention(q_abs.astype(cache_dtype), q_pe.astype(cache_dtype), ckv, kpe,
+                                         batch.page_table, batch.kv_lens, batch.plan,
+                                         sm_scale=cfg.softmax_scale, backend=backend)
+            o = jnp.einsum("thr,hvr->thv", latent.astype(self.dtype), w_uv, precision=self.precision)
+        else:
+            o = self._expanded_attention(q_nope, q_pe, ckv_new, kpe_new, jnp.asarray(batch.plan.tokens),
+                                         w_uk, w_uv)
+        y = self.o_proj(o.reshape(t, h * dv).astype(self.dtype))
+        return y, PagedKV(ckv, kpe)
+
+    def _expanded_attention(self, q_nope, q_pe, ckv_new, kpe_new, tokens, w_uk, w_uv):
+        """Standard attention among this step's tokens, k/v expanded from the latents.
+
+        Token j is visible to token i when both belong to the same request and j
+        is not later (offset from the end e_j >= e_i). Float32 softmax; tokens
+        that see nothing (padding) give zeros.
+        """
+        f32 = jnp.float32
+        hp = self.precision
+        c = ckv_new.astype(self.dtype)
+        k_nope = jnp.einsum("sr,hdr->shd", c, w_uk, precision=hp).astype(f32)
+        v = jnp.einsum("sr,hvr->shv", c, w_uv, precision=hp).astype(f32)
+        s = (jnp.einsum("thd,shd->hts", q_nope.astype(f32), k_nope, precision=hp)
+             + jnp.einsum("thd,sd->hts", q_pe.astype(f32), kpe_new.astype(f32), precision=hp))
+        s = s * jnp.float32(self.cfg.softmax_scale)
+        req, e = tokens[:, 0], tokens[:, 1]
+        visible = (req[:, None] == req[None, :]) & (req[:, None] >= 0) & (e[None, :] >= e[:, None])
+        s = jnp.where(visible[None], s, -jnp.inf)
+        m = jnp.max(s, axis=-1, keepdims=True)
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        p = jnp.exp(s - m)
+        denom = jnp.sum(p, axis=-1, keepdims=True)
+        p = p / jnp.where(denom > 0, denom, 1.0)
+        return jnp.einsum("hts,shv->thv", p, v, precision=hp)

@@ -1,0 +1,236 @@
+"""Host-side bookkeeping of the paged latent cache: pages, request slots, lengths, plans.
+
+Everything here is NumPy on the host: the decode loop never reads the device to
+learn a length. The device page table is created once and afterwards changed
+only entry by entry (a jitted scatter into the donated table), so a step sends
+the device a few changed entries, not the table.
+
+Request slots are the rows of the page table (and of kv_lens); every plan covers
+all `max_requests` slots, idle ones with zero tokens, so a plan's request index
+is the slot.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..planner import MLAPlan, PlanTarget, SUPPORTED_PAGE_SIZES, default_target, plan_mla
+
+__all__ = ["OutOfPagesError", "OutOfSlotsError", "PagedCacheManager", "bucket"]
+
+NO_PAGE = -1  # unallocated page-table entry: cache writes there are dropped, reads masked
+
+
+class OutOfPagesError(RuntimeError):
+    """Not enough free pages; raised before anything changed."""
+
+
+class OutOfSlotsError(RuntimeError):
+    """No free request slot; raised before anything changed."""
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum): the shape buckets of per-step arrays."""
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_entries(table, rows, cols, values):
+    # Padding entries carry row = table.shape[0] and are dropped.
+    return table.at[rows, cols].set(values, mode="drop", unique_indices=True)
+
+
+class PagedCacheManager:
+    """Page allocator, per-request page tables and lengths, and the device page table.
+
+    Lifecycle of a request: `admit` (slot + pages for its prompt) -> prefill step
+    -> `commit` -> per decode step `reserve` + plan + step + `commit` ... ->
+    `finish` (pages back to the free list). `sync` pushes pending page-table
+    changes to the device; `plan` makes the step's MLAPlan from host lengths.
+    """
+
+    def __init__(self, *, num_pages: int, page_size: int, max_requests: int, max_pages_per_request: int,
+                 target: PlanTarget | None = None, device=None):
+        if page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(f"page_size={page_size!r} is not supported; use one of {SUPPORTED_PAGE_SIZES}")
+        for name, v in (("num_pages", num_pages), ("max_requests", max_requests),
+                        ("max_pages_per_request", max_pages_per_request)):
+            if not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.num_pages = int(num_pages)
+        self.page_size = int(page_size)
+        self.max_requests = int(max_requests)
+        self.max_pages_per_request = int(max_pages_per_request)
+        self.target = target if target is not None else default_target(device)
+        # Pop from the end: page 0 is handed out first.
+        self._free_pages: list[int] = list(range(self.num_pages - 1, -1, -1))
+        self._free_slots: list[int] = list(range(self.max_requests - 1, -1, -1))
+        self.page_table = np.full((self.max_requests, self.max_pages_per_request), NO_PAGE, np.int32)
+        self.pages_held = np.zeros(self.max_requests, np.int64)
+        self.lengths = np.zeros(self.max_requests, np.int64)  # tokens stored in the cache
+        self.active = np.zeros(self.max_requests, bool)
+        self._pending: dict[tuple[int, int], int] = {}
+        self.device_page_table = jax.device_put(self.page_table, device)
+        self.entries_sent = 0  # page-table entries sent to the device so far (after creation)
+
+    # ---- queries ------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def active_slots(self) -> np.ndarray:
+        return np.nonzero(self.active)[0]
+
+    @property
+    def capacity_per_request(self) -> int:
+        return self.max_pages_per_request * self.page_size
+
+    def pages_needed(self, slots: Sequence[int], new_tokens: Sequence[int] | int) -> np.ndarray:
+        """Extra pages each slot needs to hold `new_tokens` more tokens."""
+        slots = np.asarray(slots, np.int64)
+        want = self.lengths[slots] + np.asarray(new_tokens, np.int64)
+        return np.maximum(-(-want // self.page_size) - self.pages_held[slots], 0)
+
+    # ---- requests -----------------------------------------------------------
+    def admit(self, prompt_lens: Sequence[int]) -> list[int]:
+        """Take a slot and pages for each prompt; all or nothing.
+
+        Raises OutOfSlotsError / OutOfPagesError / ValueError (a prompt longer
+        than a request's page-table row) with every structure unchanged.
+        """
+        lens = np.asarray(prompt_lens, np.int64).reshape(-1)
+        if lens.size and lens.min() < 1:
+            raise ValueError(f"prompt lengths must be >= 1, got {lens.tolist()}")
+        too_long = np.nonzero(lens > self.capacity_per_request)[0]
+        if too_long.size:
+            i = int(too_long[0])
+            raise ValueError(f"prompt {i} has {int(lens[i])} tokens; a request holds at most "
+                             f"{self.max_pages_per_request} pages x {self.page_size} = {self.capacity_per_request}")
+        if lens.size > len(self._free_slots):
+            raise OutOfSlotsError(f"{lens.size} requests to admit but only {len(self._free_slots)} of "
+                                  f"{self.max_requests} slots are free")
+        need = int((-(-lens // self.page_size)).sum())
+        if need > len(self._free_pages):
+            raise OutOfPagesError(f"admitting {lens.size} prompts ({int(lens.sum())} tokens) needs {need} pages "
+                                  f"but {len(self._free_pages)} of {self.num_pages} are free")
+        slots = [self._free_slots.pop() for _ in range(lens.size)]
+        for s in slots:
+            self.active[s] = True
+            self.lengths[s] = 0
+        self._allocate(slots, lens)
+        return slots
+
+    def reserve(self, slots: Sequence[int], new_tokens: Sequence[int] | int) -> None:
+        """Make sure each slot has pages for `new_tokens` more tokens (e.g. the next N decode steps).
+
+        All or nothing: OutOfPagesError (not enough free pages in all) or
+        ValueError (a request would outgrow its page-table row) leave every
+        structure unchanged.
+        """
+        slots = np.asarray(slots, np.int64).reshape(-1)
+        new = np.broadcast_to(np.asarray(new_tokens, np.int64), slots.shape)
+        idle = np.nonzero(~self.active[slots])[0]
+        if idle.size:
+            raise ValueError(f"slot {int(slots[idle[0]])} holds no request")
+        want = self.lengths[slots] + new
+        over = np.nonzero(want > self.capacity_per_request)[0]
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"slot {int(slots[i])} would hold {int(want[i])} tokens; a request holds at most "
+                             f"{self.capacity_per_request}")
+        per_slot = self.pages_needed(slots, new)
+        need = int(per_slot.sum())
+        if need > len(self._free_pages):
+            raise OutOfPagesError(f"{need} more pages needed for {len(slots)} requests but "
+                                  f"{len(self._free_pages)} of {self.num_pages} are free")
+        grow = per_slot > 0  # most decode steps: none, and nothing below runs
+        if grow.any():
+            self._allocate(slots[grow].tolist(), want[grow])
+
+    def commit(self, slots: Sequence[int], new_tokens: Sequence[int] | int) -> None:
+        """Record that `new_tokens` tokens were written for each slot (after the step ran)."""
+        slots = np.asarray(slots, np.int64).reshape(-1)
+        want = self.lengths[slots] + np.asarray(new_tokens, np.int64)
+        short = np.nonzero(want > self.pages_held[slots] * self.page_size)[0]
+        if short.size:
+            s = int(slots[short[0]])
+            raise ValueError(f"slot {s} would hold {int(want[short[0]])} tokens but has pages for "
+                             f"{int(self.pages_held[s] * self.page_size)}; reserve first")
+        self.lengths[slots] = want
+
+    def finish(self, slot: int) -> None:
+        """Release a request: its pages go back to the free list and its row is cleared."""
+        slot = int(slot)
+        if not self.active[slot]:
+            raise ValueError(f"slot {slot} holds no request")
+        n = int(self.pages_held[slot])
+        # Give pages back in reverse so the next request reuses them in order.
+        self._free_pages.extend(int(p) for p in self.page_table[slot, :n][::-1])
+        for j in range(n):
+            self._set(slot, j, NO_PAGE)
+        self.pages_held[slot] = 0
+        self.lengths[slot] = 0
+        self.active[slot] = False
+        self._free_slots.append(slot)
+
+    def _allocate(self, slots, want_tokens) -> None:
+        # Callers checked that enough pages are free.
+        want_pages = -(-np.asarray(want_tokens, np.int64) // self.page_size)
+        for s, w in zip(slots, want_pages):
+            for j in range(int(self.pages_held[s]), int(w)):
+                self._set(s, j, self._free_pages.pop())
+            self.pages_held[s] = max(int(self.pages_held[s]), int(w))
+
+    def _set(self, row: int, col: int, page: int) -> None:
+        self.page_table[row, col] = page
+        self._pending[(row, col)] = page
+
+    # ---- device -------------------------------------------------------------
+    @property
+    def pending_entries(self) -> int:
+        return len(self._pending)
+
+    def sync(self) -> jax.Array:
+        """Send pending page-table changes to the device table, in place; return the table.
+
+        Sends only the changed entries (padded to a power of two so the scatter
+        compiles once per size class); no call at all when nothing changed.
+        """
+        if self._pending:
+            n = len(self._pending)
+            m = bucket(n, 8)
+            rows = np.full(m, self.max_requests, np.int32)  # padding: out of range, dropped
+            cols = np.zeros(m, np.int32)
+            vals = np.zeros(m, np.int32)
+            keys = list(self._pending)
+            rows[:n] = [k[0] for k in keys]
+            cols[:n] = [k[1] for k in keys]
+            vals[:n] = list(self._pending.values())
+            self.device_page_table = _set_entries(self.device_page_table, rows, cols, vals)
+            self.entries_sent += n
+            self._pending.clear()
+        return self.device_page_table
+
+    # ---- plans ----------------------------------------------------------------
+    def plan(self, qo_lens: np.ndarray, kv_lens: np.ndarray, *, num_heads: int, num_tokens: int) -> MLAPlan:
+        """plan_mla over all slots, for this manager's page size, table width and target."""
+        return plan_mla(qo_lens, kv_lens, num_heads=num_heads, page_size=self.page_size, num_tokens=num_tokens,
+                        max_pages_per_request=self.max_pages_per_request, target=self.target)
+
+    def init_caches(self, num_layers: int, kv_lora_rank: int, rope_dim: int, dtype=jnp.float32, device=None):
+        """Zeroed per-layer (ckv, kpe) page buffers, shapes [num_pages, page_size, d]."""
+        from .attention import PagedKV
+
+        shape = (self.num_pages, self.page_size)
+
+        def zeros(d):
+            return jax.device_put(jnp.zeros(shape + (d,), dtype), device)
+
+        return tuple(PagedKV(zeros(kv_lora_rank), zeros(rope_dim)) for _ in range(num_layers))

@@ -1,0 +1,291 @@
+"""Prefill and decode loops over the paged cache: host-planned steps, or N steps in one jit.
+
+The host (PagedCacheManager) knows every length; the device holds the caches,
+the page table and each slot's next input token. Neither loop reads the device
+to decide anything:
+
+* host-planned (`decode`): per step the host reserves pages, plans, sends the
+  page-table changes, and dispatches one jitted step (caches donated) under
+  `jax.transfer_guard_device_to_host("disallow")`. Sampled tokens stay on the
+  device; the host starts their copy at once and reads them `fetch_lag` steps
+  later, so it never waits on the step it just queued.
+* fully jitted (`decode_jitted`): pages for N steps are reserved, one plan is
+  made for lengths + N, and a lax.scan runs the N steps in one call.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .attention import FORMS, PagedBatch
+from .cache_manager import PagedCacheManager, bucket
+from .model import DeepseekModel
+
+__all__ = ["Generator", "choose_prefill_form"]
+
+
+def choose_prefill_form(cfg, qo_lens: np.ndarray, kv_lens: np.ndarray, num_tokens: int, *,
+                        max_score_bytes: int = 1 << 30) -> str:
+    """'expanded' when the batch has no cached prefix and that form costs fewer FLOPs.
+
+    absorbed: every (query, visible key) pair costs H * (2 * kv_lora_rank + rope) MACs.
+    expanded: dense attention over the packed batch, T^2 * H * (nope + rope + v),
+    plus expanding k/v from the latents, T * kv_lora_rank * H * (nope + v).
+    The expanded form materialises float32 scores [H, T, T]; above max_score_bytes
+    it is not chosen.
+    """
+    qo = np.asarray(qo_lens, np.int64)
+    kv = np.asarray(kv_lens, np.int64)
+    if np.any(kv != qo):
+        return "absorbed"  # a cached prefix is only reachable through the paged op
+    h, r = cfg.num_attention_heads, cfg.kv_lora_rank
+    if 4 * h * num_tokens * num_tokens > max_score_bytes:
+        return "absorbed"
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    pairs = int((qo * (qo + 1) // 2).sum())
+    absorbed = pairs * h * (2 * r + dr) + num_tokens * h * r * (dn + dv)
+    expanded = num_tokens * num_tokens * h * (dn + dr + dv) + num_tokens * r * h * (dn + dv)
+    return "expanded" if expanded < absorbed else "absorbed"
+
+
+def _sample(logits: jax.Array, rng: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), rng
+    rng, key = jax.random.split(rng)
+    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32), rng
+
+
+class Generator:
+    """Batched greedy (or temperature) generation with a DeepseekModel over a paged cache.
+
+    backend: the attention op's backend ('auto', 'ffi', 'reference').
+    min_token_bucket: smallest number of query rows of a step; rows are padded
+      to a power of two so that steps of similar size share one compiled program.
+    """
+
+    def __init__(self, model: DeepseekModel, manager: PagedCacheManager, *, backend: str = "auto",
+                 cache_dtype=None, temperature: float = 0.0, seed: int = 0, min_token_bucket: int = 8):
+        self.cfg = model.cfg
+        self.manager = manager
+        self.backend = backend
+        self.temperature = float(temperature)
+        self.min_token_bucket = int(min_token_bucket)
+        self.graphdef, params = nnx.split(model)
+        # Steps take the parameters as a flat list: flattening an nnx.State on every
+        # dispatch costs more host time than the rest of the dispatch.
+        self._params_def = jax.tree.structure(params)
+        self.params = jax.tree.leaves(params)
+        cfg = self.cfg
+        self.caches = manager.init_caches(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                                          cache_dtype or model.dtype)
+        self.next_tokens = jnp.zeros((manager.max_requests,), jnp.int32)  # per slot: the next input token
+        self.rng = jax.random.key(seed)
+        self.traces: collections.Counter[str] = collections.Counter()
+        self.outputs: dict[int, list[int]] = collections.defaultdict(list)
+        self._unread: collections.deque = collections.deque()  # (slot of each row, device tokens)
+        self.timings: dict[str, list[float]] = collections.defaultdict(list)
+        donate = ("caches", "next_tokens", "rng")
+        self._prefill_step = jax.jit(self._prefill_impl, static_argnames=("form", "with_logits"),
+                                     donate_argnames=donate)
+        self._decode_step = jax.jit(self._decode_impl, static_argnames=("with_logits",), donate_argnames=donate)
+        self._decode_scan = jax.jit(self._decode_scan_impl, static_argnames=("num_steps",),
+                                    donate_argnames=donate)
+
+    # ---- jitted bodies -------------------------------------------------------
+    def _model(self, params) -> DeepseekModel:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
+
+    def _prefill_impl(self, params, caches, page_table, kv_lens, plan, tokens, last_rows, next_tokens, rng, *,
+                      form, with_logits):
+        self.traces["prefill"] += 1
+        model = self._model(params)
+        logits, caches = model(tokens, caches, PagedBatch(page_table, kv_lens, plan), form=form,
+                               backend=self.backend, logits_rows=jnp.maximum(last_rows, 0))
+        sampled, rng = _sample(logits, rng, self.temperature)
+        fresh = last_rows >= 0
+        next_tokens = jnp.where(fresh, sampled, next_tokens)
+        emitted = jnp.where(fresh, sampled, -1)
+        return caches, next_tokens, rng, emitted, (logits if with_logits else None)
+
+    def _decode_body(self, model, caches, page_table, kv_lens, plan, next_tokens, rng):
+        """One decode step on the device: feed each slot's next token, sample, store the new ones."""
+        req = jnp.asarray(plan.tokens)[:, 0]
+        valid = req >= 0
+        tokens = next_tokens[jnp.maximum(req, 0)]
+        logits, caches = model(tokens, caches, PagedBatch(page_table, kv_lens, plan), form="absorbed",
+                               backend=self.backend)
+        sampled, rng = _sample(logits, rng, self.temperature)
+        drop = next_tokens.shape[0]  # out of range: padding rows write nothing
+        next_tokens = next_tokens.at[jnp.where(valid, req, drop)].set(sampled, mode="drop")
+        return caches, next_tokens, rng, jnp.where(valid, sampled, -1), logits
+
+    def _decode_impl(self, params, caches, page_table, kv_lens, plan, next_tokens, rng, *, with_logits):
+        self.traces["decode"] += 1
+        caches, next_tokens, rng, emitted, logits = self._decode_body(
+            self._model(params), caches, page_table, kv_lens, plan, next_tokens, rng)
+        return caches, next_tokens, rng, emitted, (logits if with_logits else None)
+
+    def _decode_scan_impl(self, params, caches, page_table, kv_lens0, step_lens, plan, next_tokens, rng, *,
+                          num_steps):
+        self.traces["decode_scan"] += 1
+        model = self._model(params)
+
+        def step(carry, i):
+            caches, next_tokens, rng = carry
+            kv_lens = kv_lens0 + (i + 1) * step_lens
+            caches, next_tokens, rng, emitted, _ = self._decode_body(model, caches, page_table, kv_lens, plan,
+                                                                     next_tokens, rng)
+            return (caches, next_tokens, rng), emitted
+
+        (caches, next_tokens, rng), emitted = jax.lax.scan(step, (caches, next_tokens, rng),
+                                                           jnp.arange(num_steps, dtype=jnp.int32))
+        return caches, next_tokens, rng, emitted
+
+    # ---- host side -----------------------------------------------------------
+    def prefill(self, prompts: Sequence[Sequence[int]], *, form: str = "auto", with_logits: bool = False):
+        """Admit prompts, run them through the model in one step, sample each one's first token.
+
+        Returns the new slots (and, with_logits, the float32 logits [max_requests, vocab]
+        of each slot's last prompt token, rows of other slots meaningless).
+        """
+        mgr = self.manager
+        prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        lens = np.array([p.size for p in prompts], np.int64)
+        for i, p in enumerate(prompts):
+            if p.size and (p.min() < 0 or p.max() >= self.cfg.vocab_size):
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
+        if form not in ("auto",) + FORMS:
+            raise ValueError(f"form={form!r} is not 'auto' or one of {FORMS}")
+        slots = mgr.admit(lens)
+        try:
+            return self._prefill_admitted(slots, prompts, lens, form, with_logits)
+        except Exception:
+            for s in slots:  # give the slots and pages back: a failed prefill leaves no request behind
+                mgr.finish(s)
+            raise
+
+    def _prefill_admitted(self, slots, prompts, lens, form, with_logits):
+        mgr = self.manager
+        qo = np.zeros(mgr.max_requests, np.int64)
+        qo[slots] = lens
+        kv = mgr.lengths + qo
+        total = int(qo.sum())
+        num_tokens = bucket(total, self.min_token_bucket)
+        start = np.cumsum(qo) - qo  # rows are packed in slot order
+        tokens = np.zeros(num_tokens, np.int32)
+        for s, p in zip(slots, prompts):
+            tokens[start[s]: start[s] + p.size] = p
+        last_rows = np.full(mgr.max_requests, -1, np.int32)
+        last_rows[slots] = start[slots] + lens - 1
+        if form == "auto":
+            form = choose_prefill_form(self.cfg, qo, kv, num_tokens)
+        elif form == "expanded" and np.any(kv != qo):
+            raise ValueError("form='expanded' needs requests without a cached prefix")
+        plan = mgr.plan(qo, kv, num_heads=self.cfg.num_attention_heads, num_tokens=num_tokens)
+        page_table = mgr.sync()
+        self.caches, self.next_tokens, self.rng, emitted, logits = self._prefill_step(
+            self.params, self.caches, page_table, kv.astype(np.int32), plan, tokens, last_rows,
+            self.next_tokens, self.rng, form=form, with_logits=with_logits)
+        mgr.commit(slots, lens)
+        self._queue(np.arange(mgr.max_requests), emitted)
+        return (slots, logits) if with_logits else slots
+
+    def decode(self, num_steps: int, *, fetch_lag: int = 4, with_logits: bool = False,
+               on_step: Callable[[int], None] | None = None):
+        """Host-planned decode of every active slot for num_steps steps.
+
+        Each step: reserve a page where needed, plan on the host, send page-table
+        changes, dispatch one jitted step with no device->host transfer allowed.
+        Tokens are read `fetch_lag` steps behind. Returns the per-step logits
+        (device arrays [T, vocab], rows in slot order) when with_logits.
+        """
+        mgr = self.manager
+        slots = mgr.active_slots
+        if slots.size == 0:
+            raise ValueError("no active requests to decode")
+        qo = np.zeros(mgr.max_requests, np.int64)
+        qo[slots] = 1
+        num_tokens = bucket(slots.size, self.min_token_bucket)
+        row_slot = np.full(num_tokens, -1, np.int64)
+        row_slot[: slots.size] = slots  # rows are packed in slot order
+        all_logits = []
+        for i in range(num_steps):
+            t0 = time.perf_counter()
+            mgr.reserve(slots, 1)
+            kv = mgr.lengths + qo
+            plan = mgr.plan(qo, kv, num_heads=self.cfg.num_attention_heads, num_tokens=num_tokens)
+            page_table = mgr.sync()
+            t1 = time.perf_counter()
+            with jax.transfer_guard_device_to_host("disallow"):
+                self.caches, self.next_tokens, self.rng, emitted, logits = self._decode_step(
+                    self.params, self.caches, page_table, kv.astype(np.int32), plan, self.next_tokens, self.rng,
+                    with_logits=with_logits)
+            t2 = time.perf_counter()
+            mgr.commit(slots, 1)
+            self.timings["plan_s"].append(t1 - t0)
+            self.timings["dispatch_s"].append(t2 - t1)
+            self._queue(row_slot, emitted)
+            self._read(keep=fetch_lag)
+            if with_logits:
+                all_logits.append(logits)
+            if on_step is not None:
+                on_step(i)
+        return all_logits if with_logits else None
+
+    def decode_jitted(self, num_steps: int) -> None:
+        """num_steps decode steps of every active slot in one jitted lax.scan, on one plan.
+
+        Pages for all steps are reserved first and the plan is made for the
+        lengths after the last step; the kernel clips to the device lengths.
+        """
+        mgr = self.manager
+        slots = mgr.active_slots
+        if slots.size == 0:
+            raise ValueError("no active requests to decode")
+        qo = np.zeros(mgr.max_requests, np.int64)
+        qo[slots] = 1
+        num_tokens = bucket(slots.size, self.min_token_bucket)
+        mgr.reserve(slots, num_steps)
+        plan = mgr.plan(qo, mgr.lengths + num_steps * qo, num_heads=self.cfg.num_attention_heads,
+                        num_tokens=num_tokens)
+        page_table = mgr.sync()
+        with jax.transfer_guard_device_to_host("disallow"):
+            self.caches, self.next_tokens, self.rng, emitted = self._decode_scan(
+                self.params, self.caches, page_table, mgr.lengths.astype(np.int32), qo.astype(np.int32), plan,
+                self.next_tokens, self.rng, num_steps=int(num_steps))
+        mgr.commit(slots, num_steps)
+        row_slot = np.full(num_tokens, -1, np.int64)
+        row_slot[: slots.size] = slots
+        self._queue(row_slot, emitted)
+
+    def finish(self, slot: int) -> list[int]:
+        """Release a request; return the tokens it generated."""
+        self._read(keep=0)
+        self.manager.finish(slot)
+        return self.outputs.pop(int(slot), [])
+
+    def results(self) -> dict[int, list[int]]:
+        """Every generated token so far, per slot (waits for the device)."""
+        self._read(keep=0)
+        return {s: list(v) for s, v in self.outputs.items()}
+
+    # ---- token transfer --------------------------------------------------------
+    def _queue(self, row_slot: np.ndarray, emitted: jax.Array) -> None:
+        emitted.copy_to_host_async()
+        self._unread.append((row_slot, emitted))
+
+    def _read(self, keep: int) -> None:
+        while len(self._unread) > keep:
+            row_slot, emitted = self._unread.popleft()
+            toks = np.asarray(emitted).reshape(-1, row_slot.size)  # [steps, rows]
+            for step_toks in toks:
+                for s, t in zip(row_slot, step_toks):
+                    if s >= 0 and t >= 0:
+                        self.outputs[int(s)].append(int(t))

@@ -241,19 +241,24 @@ def plan_mla(
         tile_kv = kv[tile_req] - (tile_eoff - tile_qlen)
     n_t = tile_req.size
 
-    # ---- split sizes: one chunk length for the whole batch ---------------------
-    # Aim for units_per_worker * num_workers blocks in all; a tile becomes
-    # ceil(kv / chunk) units. sum(ceil(kv/c)) <= sum(kv)/c + n_t, so
-    # c = sum(kv) / (slots - n_t) keeps the unit count within the slots.
+    # ---- split sizes ---------------------------------------------------------
+    # Fill the slots (units_per_worker * num_workers blocks): start from the
+    # chunk that spreads all keys evenly over them, grow it until the unit count
+    # sum(ceil(kv / chunk)) fits, then cut every tile into equal parts. (A single
+    # batch-wide chunk leaves a short last split per tile and idles SMs.)
     slots = int(target.num_workers * target.units_per_worker) // head_blocks
     max_kv = int(tile_kv.max()) if n_t else 0
-    free_slots = slots - n_t
+    align = target.chunk_align
     chunk = 0  # no split
-    if free_slots > 0 and max_kv > target.min_chunk:
-        c = -(-(int(tile_kv.sum()) + n_t * target.unit_overhead) // free_slots)
-        c = max(c, target.min_chunk)
-        c = -(-c // target.chunk_align) * target.chunk_align
-        if c < max_kv:
+    if slots > n_t and max_kv > target.min_chunk:
+        c = -(-(int(tile_kv.sum()) + n_t * target.unit_overhead) // slots)
+        c = -(-max(c, target.min_chunk) // align) * align
+        for _ in range(16):
+            units = int(np.maximum(1, -(-tile_kv // c)).sum())
+            if units <= slots or c >= max_kv:
+                break
+            c = -(-max(c + align, -(-c * units // slots)) // align) * align
+        if c < max_kv and units <= slots:
             chunk = c
 
     # Buckets from bounds that depend on the batch's tile count and the target
@@ -280,6 +285,9 @@ def plan_mla(
         u_cost = tile_kv
     else:
         n_split = np.maximum(1, -(-tile_kv // chunk))
+        tile_chunk = -(-(-(-tile_kv // n_split)) // align) * align  # equal parts, aligned
+        tile_chunk = np.maximum(tile_chunk, align)
+        n_split = np.maximum(1, -(-tile_kv // tile_chunk))
         n_units = int(n_split.sum())
         unit_tile = np.repeat(np.arange(n_t), n_split)
         unit_j = np.arange(n_units) - (np.cumsum(n_split) - n_split)[unit_tile]
@@ -287,17 +295,18 @@ def plan_mla(
         u_qlen = tile_qlen[unit_tile]
         part_rows = np.where(n_split > 1, n_split * tile_qlen, 0)
         part_base = np.cumsum(part_rows) - part_rows
-        kv_start = unit_j * chunk
+        u_chunk = tile_chunk[unit_tile]
+        kv_start = unit_j * u_chunk
         last = unit_j == u_ns - 1
         w[W_REQUEST, :n_units] = tile_req[unit_tile]
         w[W_QSTART, :n_units] = tile_qstart[unit_tile]
         w[W_QLEN, :n_units] = u_qlen
         w[W_QEND_OFFSET, :n_units] = tile_eoff[unit_tile]
         w[W_KV_START, :n_units] = kv_start
-        w[W_KV_END, :n_units] = np.where(last, KV_END_OPEN, kv_start + chunk)
+        w[W_KV_END, :n_units] = np.where(last, KV_END_OPEN, kv_start + u_chunk)
         w[W_PARTIAL_ROW, :n_units] = np.where(u_ns > 1, part_base[unit_tile] + unit_j * u_qlen, -1)
         w[W_SPLIT, :n_units] = unit_j
-        u_cost = np.where(last, tile_kv[unit_tile] - kv_start, chunk)
+        u_cost = np.where(last, tile_kv[unit_tile] - kv_start, u_chunk)
         split_idx = np.flatnonzero(n_split > 1)
         m = merge.T
         m[M_QSTART, : split_idx.size] = tile_qstart[split_idx]

@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Float32 comparisons mean float32: on GPUs XLA's default runs f32 matmuls in
+# TF32 (about 1e-3 relative), which would swamp the tolerances of the f32 tests.
+jax.config.update("jax_default_matmul_precision", "highest")
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,16 +65,20 @@ def test_one_plan_serves_n_jitted_steps(rng, qo):
     news = jnp.asarray(rng.standard_normal((n_steps, batch * qo, 64 + 16)), jnp.float32)
     qs = jnp.asarray(rng.standard_normal((n_steps, batch * qo, HEADS, 64 + 16)), jnp.float32)
 
-    def body(attn, i, carry):
-        ckv, kpe, kv, outs = carry
-        ckv, kpe = append_paged_kv(ckv, kpe, news[i, :, :64], news[i, :, 64:], b.page_table, kv, plan)
-        o = attn(qs[i, ..., :64], qs[i, ..., 64:], ckv, kpe, b.page_table, kv, plan, sm_scale=SCALE)
-        return ckv, kpe, kv + qo, outs.at[i].set(o)
+    # Everything device-side enters as an argument: a jax.Array closed over by a
+    # jitted function becomes a constant, which on GPU is a device->host copy.
+    def loop(attn, init, news, qs, page_table):
+        def body(i, carry):
+            ckv, kpe, kv, outs = carry
+            ckv, kpe = append_paged_kv(ckv, kpe, news[i, :, :64], news[i, :, 64:], page_table, kv, plan)
+            o = attn(qs[i, ..., :64], qs[i, ..., 64:], ckv, kpe, page_table, kv, plan, sm_scale=SCALE)
+            return ckv, kpe, kv + qo, outs.at[i].set(o)
+        return jax.lax.fori_loop(0, n_steps, body, init)[3]
 
     def run(attn):
         outs = jnp.zeros((n_steps, batch * qo, HEADS, 64))
         init = (b.ckv, b.kpe, jnp.asarray(kv0, jnp.int32), outs)
-        return jax.jit(lambda c: jax.lax.fori_loop(0, n_steps, lambda i, c: body(attn, i, c), c))(init)[3]
+        return jax.jit(functools.partial(loop, attn))(init, news, qs, b.page_table)
 
     with jax.transfer_guard_device_to_host("disallow"):
         got = run(mla_paged_attention)

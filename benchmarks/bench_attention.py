@@ -1,0 +1,428 @@
+"""Times the CUDA paged MLA op against FlashInfer 0.2.5 (fa2, fa3) and a copy ceiling.
+
+    python3 benchmarks/bench_attention.py [--out benchmarks/results] [--sweep] [--quick]
+
+Per shape (batch x kv_len x heads x page_size x q_len, bf16, d_ckv 512, d_kpe 64,
+random page tables, random normal data):
+
+* ours: K calls of the op inside one jit (each call on its own query array and
+  cycling over enough cache copies that the working set is several times the
+  L2), wall time of the whole jit to completion, median over repetitions;
+  per-call time = (t(K2) - t(K1)) / (K2 - K1), which removes the fixed cost
+  of dispatching the jit.
+* FlashInfer (when importable): BatchMLAPagedAttentionWrapper on the same
+  arrays (shared through DLPack), K calls captured in a CUDA graph (eager if
+  capture fails), CUDA events, median over repetitions.
+* copy ceiling: device-to-device copy of 1 GiB, bytes read + written.
+
+Bytes = kv tokens x 576 x 2 (each request's keys read once); FLOPs =
+2 * H * (576 + 512) * sum over query tokens of the keys each sees.
+Writes a markdown table to stdout and <out>/bench.md, records to
+<out>/h200.json and a roofline to <out>/roofline.png.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # FlashInfer (torch) shares the GPU
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_mla import PlanTarget, default_target, mla_paged_attention, plan_mla  # noqa: E402
+
+D_CKV, D_KPE = 512, 64
+SCALE = 1.0 / math.sqrt(192.0)
+L2_BYTES = 60 * 2**20
+
+# (batch, kv_len, heads, page_size, q_len) -> (unit, bound); "us" is a ceiling, the rest floors.
+TARGETS = {
+    (1, 32768, 16, 64, 1): ("us", 20.0),
+    (32, 4096, 16, 64, 1): ("TB/s", 2.7),
+    (128, 4096, 16, 64, 1): ("TB/s", 3.6),
+    (128, 4096, 16, 1, 1): ("TB/s", 3.4),
+    (128, 4096, 128, 64, 1): ("TFLOP/s", 265.0),
+}
+EXTRA_SHAPES = [
+    (64, 8192, 16, 64, 1),
+    (128, 4096, 16, 64, 2),
+    (128, 4096, 16, 64, 4),
+    (32, 4096, 128, 64, 1),
+    (1, 32768, 128, 64, 1),
+    (8, 8192, 16, 16, 1),
+]
+SWEEP_SHAPES = [
+    (1, 32768, 16, 64, 1),
+    (32, 4096, 16, 64, 1),
+    (8, 8192, 16, 64, 1),
+    (1, 32768, 128, 64, 1),
+    (16, 2048, 128, 64, 1),
+    (8, 4096, 16, 64, 4),
+]
+SWEEP_TARGETS = [  # (units_per_worker, min_chunk, unit_overhead); chunk_align 64
+    (1.0, 256, 128),
+    (1.0, 128, 0),
+    (1.1, 256, 128),
+    (1.25, 256, 128),
+    (1.5, 256, 128),
+    (2.0, 256, 128),
+]
+
+
+def shape_name(s):
+    b, l, h, ps, q = s
+    return f"{b}x{l} h{h} ps{ps} q{q}"
+
+
+def work_of(s):
+    b, l, h, ps, q = s
+    seen = b * (q * l - q * (q - 1) // 2)  # causal, aligned to the end
+    flops = 2.0 * h * (D_CKV + D_CKV + D_KPE) * seen
+    nbytes = float(b) * l * (D_CKV + D_KPE) * 2
+    return flops, nbytes
+
+
+class Inputs:
+    """Random queries (one array per call) and cache copies for one shape."""
+
+    def __init__(self, s, n_calls, seed=0):
+        b, l, h, ps, q = s
+        rng = np.random.default_rng(seed)
+        self.shape = s
+        self.pages_per_req = -(-l // ps)
+        num_pages = b * self.pages_per_req
+        self.table_host = rng.permutation(num_pages).astype(np.int32).reshape(b, self.pages_per_req)
+        self.page_table = jnp.asarray(self.table_host)
+        self.kv_lens = jnp.full((b,), l, jnp.int32)
+        cache_bytes = num_pages * ps * (D_CKV + D_KPE) * 2
+        self.n_sets = int(min(8, max(1, math.ceil(4 * L2_BYTES / cache_bytes))))
+        key = jax.random.PRNGKey(seed)
+        k_c, k_r, k_q = jax.random.split(key, 3)
+        self.ckv = [jax.random.normal(jax.random.fold_in(k_c, i), (num_pages, ps, D_CKV), jnp.bfloat16)
+                    for i in range(self.n_sets)]
+        self.kpe = [jax.random.normal(jax.random.fold_in(k_r, i), (num_pages, ps, D_KPE), jnp.bfloat16)
+                    for i in range(self.n_sets)]
+        t = b * q
+        self.q_nope = [jax.random.normal(jax.random.fold_in(k_q, 2 * i), (t, h, D_CKV), jnp.bfloat16)
+                       for i in range(n_calls)]
+        self.q_pe = [jax.random.normal(jax.random.fold_in(k_q, 2 * i + 1), (t, h, D_KPE), jnp.bfloat16)
+                     for i in range(n_calls)]
+        jax.block_until_ready((self.ckv, self.kpe, self.q_nope, self.q_pe))
+        self.qo_lens = np.full(b, q)
+        self.kv_lens_host = np.full(b, l)
+
+    def plan(self, target=None):
+        b, l, h, ps, q = self.shape
+        return plan_mla(self.qo_lens, self.kv_lens_host, num_heads=h, page_size=ps,
+                        max_pages_per_request=self.pages_per_req, target=target)
+
+
+def _wall_median(f, args, reps):
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+@functools.lru_cache(maxsize=None)
+def _chain(n, n_sets):
+    """n calls of the op, each on its own queries (so XLA cannot merge equal calls)."""
+    def f(qn, qp, ckv, kpe, pt, kvl, plan):
+        return [mla_paged_attention(qn[k], qp[k], ckv[k % n_sets], kpe[k % n_sets], pt, kvl, plan,
+                                    sm_scale=SCALE, backend="ffi") for k in range(n)]
+    return jax.jit(f)
+
+
+def time_ours(inp: Inputs, plan, k1, k2, reps=9):
+    """Seconds per call from the difference of two jitted chains."""
+    f1, f2 = _chain(k1, inp.n_sets), _chain(k2, inp.n_sets)
+    a1 = (inp.q_nope[:k1], inp.q_pe[:k1], inp.ckv, inp.kpe, inp.page_table, inp.kv_lens, plan)
+    a2 = (inp.q_nope[:k2], inp.q_pe[:k2], inp.ckv, inp.kpe, inp.page_table, inp.kv_lens, plan)
+    for _ in range(2):
+        jax.block_until_ready(f1(*a1))
+        jax.block_until_ready(f2(*a2))
+    t1 = _wall_median(f1, a1, reps)
+    t2 = _wall_median(f2, a2, reps)
+    return max(t2 - t1, 1e-9) / (k2 - k1)
+
+
+def ours_output(inp: Inputs, plan):
+    f = jax.jit(lambda *a: mla_paged_attention(*a, sm_scale=SCALE, backend="ffi"))
+    return f(inp.q_nope[0], inp.q_pe[0], inp.ckv[0], inp.kpe[0], inp.page_table, inp.kv_lens, plan)
+
+
+# ---- peers (torch) ---------------------------------------------------------------------
+
+def _torch():
+    try:
+        import torch
+        return torch if torch.cuda.is_available() else None
+    except Exception:
+        return None
+
+
+def _to_torch(torch, x):
+    try:
+        return torch.from_dlpack(x)
+    except Exception:
+        return torch.from_numpy(np.asarray(x.astype(jnp.float32))).to("cuda").to(torch.bfloat16)
+
+
+def _event_time(torch, fn, reps):
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e-3)
+    return statistics.median(ts)
+
+
+def copy_ceiling(torch):
+    """Bytes read + written per second of a 1 GiB device-to-device copy."""
+    if torch is not None:
+        src = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+        t = _event_time(torch, lambda: dst.copy_(src), 20)
+        return 2 * src.numel() * 2 / t
+    x = jax.random.normal(jax.random.PRNGKey(1), (2**29,), jnp.bfloat16)
+    f = jax.jit(lambda v: v + jnp.bfloat16(1))
+    jax.block_until_ready(f(x))
+    return 2 * x.size * 2 / _wall_median(f, (x,), 20)
+
+
+def matmul_peak(torch):
+    if torch is None:
+        return None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192**3 / _event_time(torch, lambda: a @ b, 10)
+
+
+class FlashInferPeer:
+    def __init__(self, torch):
+        import flashinfer  # noqa: F401  (raises if missing)
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+        self.torch = torch
+        self.cls = BatchMLAPagedAttentionWrapper
+        self.version = getattr(flashinfer, "__version__", "?")
+        self.workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+
+    def run(self, backend, inp: Inputs, n_calls, reps=9):
+        """(seconds per call, output of the first call as float32 numpy)."""
+        torch = self.torch
+        b, l, h, ps, q = inp.shape
+        w = self.cls(self.workspace, backend=backend)
+        i32 = dict(dtype=torch.int32, device="cuda")
+        w.plan(torch.arange(b + 1, **i32) * q, torch.arange(b + 1, **i32) * inp.pages_per_req,
+               torch.from_numpy(inp.table_host.reshape(-1).copy()).to("cuda"), torch.full((b,), l, **i32),
+               h, D_CKV, D_KPE, ps, q > 1, SCALE, torch.bfloat16, torch.bfloat16)
+        qn = [_to_torch(torch, x) for x in inp.q_nope[:n_calls]]
+        qp = [_to_torch(torch, x) for x in inp.q_pe[:n_calls]]
+        ckv = [_to_torch(torch, x) for x in inp.ckv]
+        kpe = [_to_torch(torch, x) for x in inp.kpe]
+        outs = [torch.empty_like(qn[0]) for _ in range(2)]
+
+        def calls():
+            for k in range(n_calls):
+                w.run(qn[k], qp[k], ckv[k % inp.n_sets], kpe[k % inp.n_sets], out=outs[k % 2])
+
+        w.run(qn[0], qp[0], ckv[0], kpe[0], out=outs[0])
+        first = outs[0].float().cpu().numpy()
+        calls()
+        torch.cuda.synchronize()
+        fn = calls
+        try:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                calls()
+            g.replay()
+            torch.cuda.synchronize()
+            fn = g.replay
+        except Exception as e:  # eager launches then; slower on small shapes
+            print(f"  (flashinfer {backend}: no graph capture: {type(e).__name__}: {e})", flush=True)
+            torch.cuda.synchronize()
+        return _event_time(torch, fn, reps) / n_calls, first
+
+
+# ---- driver ------------------------------------------------------------------------------
+
+def calls_for(s, copy_bps):
+    _, nbytes = work_of(s)
+    est = nbytes / (0.7 * copy_bps) + 8e-6
+    k2 = int(min(100, max(8, round(4e-3 / est))))
+    return max(2, k2 // 4), k2
+
+
+def bench_shape(s, peers, copy_bps, sweep_targets=None):
+    k1, k2 = calls_for(s, copy_bps)
+    inp = Inputs(s, k2)
+    flops, nbytes = work_of(s)
+    rec = dict(batch=s[0], kv_len=s[1], heads=s[2], page_size=s[3], q_len=s[4], dtype="bfloat16",
+               d_ckv=D_CKV, d_kpe=D_KPE, flops=flops, bytes=nbytes, calls=[k1, k2], cache_sets=inp.n_sets)
+    plan = inp.plan()
+    rec["plan"] = plan.describe()
+    rec["ours_us"] = time_ours(inp, plan, k1, k2) * 1e6
+    ours = np.asarray(ours_output(inp, plan).astype(jnp.float32))
+    for name, peer in peers.items():
+        try:
+            t, out = peer.run(name, inp, k2)
+            rec[f"{name}_us"] = t * 1e6
+            rec[f"{name}_vs_ours_rel_err"] = float(np.linalg.norm(out - ours) / max(np.linalg.norm(out), 1e-30))
+        except Exception as e:
+            print(f"  flashinfer {name} failed on {shape_name(s)}: {type(e).__name__}: {e}", flush=True)
+            rec[f"{name}_us"] = None
+    if sweep_targets:
+        rec["sweep"] = []
+        for upw, mc, ov in sweep_targets:
+            tgt = PlanTarget(num_workers=default_target().num_workers, units_per_worker=upw, min_chunk=mc,
+                             chunk_align=64, unit_overhead=ov)
+            p = inp.plan(tgt)
+            us = time_ours(inp, p, k1, k2, reps=7) * 1e6
+            rec["sweep"].append(dict(units_per_worker=upw, min_chunk=mc, unit_overhead=ov, us=us,
+                                     plan=p.describe()))
+    del inp
+    return rec
+
+
+def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+def table(records, copy_bps):
+    lines = ["| shape (B x L, heads, page, q_len) | ours us | GB/s | TFLOP/s | fa2 us | fa3 us | fa3/ours | "
+             "% copy ceiling | target | met |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        s = (r["batch"], r["kv_len"], r["heads"], r["page_size"], r["q_len"])
+        us = r["ours_us"]
+        gbs = r["bytes"] / us / 1e3
+        tfs = r["flops"] / us / 1e6
+        fa3 = r.get("fa3_us")
+        tgt = TARGETS.get(s)
+        met = "-"
+        tgt_s = "-"
+        if tgt:
+            unit, bound = tgt
+            val = {"us": us, "TB/s": gbs / 1e3, "TFLOP/s": tfs}[unit]
+            met = "yes" if (val <= bound if unit == "us" else val >= bound) else "NO"
+            tgt_s = f"{'<=' if unit == 'us' else '>='} {bound:g} {unit}"
+        lines.append(f"| {shape_name(s)} | {us:.1f} | {gbs:.0f} | {tfs:.1f} | {fmt(r.get('fa2_us'), '.1f')} | "
+                     f"{fmt(fa3, '.1f')} | {fmt(fa3 / us if fa3 else None, '.2f')} | "
+                     f"{100 * gbs * 1e9 / copy_bps:.0f}% | {tgt_s} | {met} |")
+    return "\n".join(lines)
+
+
+def roofline(records, copy_bps, peak, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print("no matplotlib:", e)
+        return
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    xs = np.logspace(0, 3, 200)
+    roof = np.minimum(copy_bps * xs, peak if peak else np.inf) / 1e12
+    ax.loglog(xs, roof, "k-", lw=1, label=f"copy {copy_bps / 1e12:.2f} TB/s"
+              + (f", matmul {peak / 1e12:.0f} TFLOP/s" if peak else ""))
+    marks = {"ours": ("o", "C0"), "fa2": ("s", "C1"), "fa3": ("^", "C2")}
+    for name, (m, c) in marks.items():
+        pts = [(r["flops"] / r["bytes"], r["flops"] / (r[f"{name}_us"] * 1e-6) / 1e12)
+               for r in records if r.get(f"{name}_us")]
+        if pts:
+            ax.scatter(*zip(*pts), marker=m, color=c, label=name, zorder=3)
+    for r in records:
+        ax.annotate(f"{r['batch']}x{r['kv_len']} h{r['heads']} p{r['page_size']} q{r['q_len']}",
+                    (r["flops"] / r["bytes"], r["flops"] / (r["ours_us"] * 1e-6) / 1e12), fontsize=6,
+                    xytext=(3, -8), textcoords="offset points")
+    ax.set_xlabel("FLOP / byte of kv cache")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title("paged MLA, H200, bf16, d_ckv 512 / d_kpe 64")
+    ax.grid(True, which="both", lw=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--sweep", action="store_true", help="also time planner targets on split-sensitive shapes")
+    ap.add_argument("--quick", action="store_true", help="target shapes only")
+    ap.add_argument("--no-peers", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}, jax {jax.__version__}, default target {default_target()}", flush=True)
+    torch = _torch()
+    copy_bps = copy_ceiling(torch)
+    peak = matmul_peak(torch)
+    print(f"copy ceiling {copy_bps / 1e9:.0f} GB/s; bf16 matmul {fmt(peak and peak / 1e12, '.0f')} TFLOP/s",
+          flush=True)
+    peers = {}
+    if torch is not None and not args.no_peers:
+        try:
+            fi = FlashInferPeer(torch)
+            peers = {"fa2": fi, "fa3": fi}
+            print(f"flashinfer {fi.version}", flush=True)
+        except Exception as e:
+            print(f"flashinfer not importable: {type(e).__name__}: {e}", flush=True)
+
+    shapes = list(TARGETS) + ([] if args.quick else EXTRA_SHAPES)
+    records = []
+    for s in shapes:
+        t0 = time.time()
+        rec = bench_shape(s, peers, copy_bps)
+        records.append(rec)
+        print(f"{shape_name(s)}: ours {rec['ours_us']:.1f} us, fa2 {fmt(rec.get('fa2_us'), '.1f')}, "
+              f"fa3 {fmt(rec.get('fa3_us'), '.1f')} ({time.time() - t0:.0f} s) {rec['plan']}", flush=True)
+
+    sweep = []
+    if args.sweep:
+        print("\nplanner sweep (ours, us per call):", flush=True)
+        hdr = " | ".join(f"u{u:g} mc{m} ov{o}" for u, m, o in SWEEP_TARGETS)
+        print(f"| shape | {hdr} |")
+        for s in SWEEP_SHAPES:
+            rec = bench_shape(s, {}, copy_bps, SWEEP_TARGETS)
+            sweep.append(rec)
+            print(f"| {shape_name(s)} | " + " | ".join(f"{x['us']:.1f}" for x in rec["sweep"]) + " |", flush=True)
+
+    md = table(records, copy_bps)
+    meta = dict(device=dev.device_kind, jax=jax.__version__, copy_ceiling_GBps=copy_bps / 1e9,
+                matmul_TFLOPs=peak / 1e12 if peak else None, default_target=str(default_target()),
+                flashinfer=peers["fa2"].version if peers else None,
+                command="python3 benchmarks/bench_attention.py " + " ".join(sys.argv[1:]),
+                method="ours: jit of K calls, (t(K2)-t(K1))/(K2-K1), wall clock, median of 9; "
+                       "flashinfer: CUDA graph of K calls, events, median of 9; copy: 1 GiB D2D, events")
+    with open(os.path.join(args.out, "h200.json"), "w") as f:
+        json.dump(dict(meta=meta, records=records, sweep=sweep), f, indent=1)
+    with open(os.path.join(args.out, "bench.md"), "w") as f:
+        f.write(md + "\n")
+    roofline(records, copy_bps, peak, os.path.join(args.out, "roofline.png"))
+    print("\n" + md, flush=True)
+
+
+if __name__ == "__main__":
+    main()

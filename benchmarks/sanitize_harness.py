@@ -1,0 +1,151 @@
+"""Cases for the standalone kernel driver (benchmarks/sanitize_harness.cu) that
+compute-sanitizer runs, and the check of its outputs against NumPy.
+
+    python3 benchmarks/sanitize_harness.py make DIR    # writes DIR/case*.bin
+    /tmp/mla_harness DIR/case*.bin                     # (under compute-sanitizer)
+    python3 benchmarks/sanitize_harness.py check DIR   # compares DIR/case*.bin.out
+
+Cases: varlen batches with splits, page sizes 1 and 64, heads 16 and 128,
+q_len 1 and 4, an empty request, padding tokens, page ids outside the cache,
+device lengths below the planned ones; bf16, fp16 and f32.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning only; the GPU belongs to the driver
+
+import numpy as np  # noqa: E402
+
+from jax_mla import PlanTarget, plan_mla  # noqa: E402
+
+SCALE = 0.0723
+SPLIT = PlanTarget(num_workers=132, units_per_worker=2.0, min_chunk=64, chunk_align=32)
+DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
+TOL = {0: 6e-3, 1: 2e-3, 2: 1e-5}
+
+CASES = [  # heads, page_size, qo, kv, dtype, padding, device_kv, bad_pages
+    (16, 1, [1, 1, 0, 1, 1], [700, 1, 0, 333, 96], "bfloat16", 2, None, False),
+    (128, 64, [1, 1, 1, 0], [900, 64, 5, 0], "bfloat16", 0, None, False),
+    (16, 64, [4, 2, 4, 1], [530, 77, 4, 260], "bfloat16", 3, None, False),
+    (16, 1, [4, 3], [300, 45], "float16", 0, [297, 2], True),
+    (128, 1, [1, 1], [200, 31], "float32", 1, None, False),
+]
+
+
+def _round(x, code):
+    if code == 0:  # bfloat16: round to nearest even on the top 16 bits
+        b = x.astype(np.float32).view(np.uint32)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+        return b.view(np.float32)
+    if code == 1:
+        return x.astype(np.float16).astype(np.float32)
+    return x.astype(np.float32)
+
+
+# Larger cases for profiling the kernels (ncu) at benchmark-like shapes; the
+# default GPU plan (132 workers), so the split case exercises the merge too.
+PROFILE_CASES = [
+    (16, 64, [1] * 128, [1024] * 128, "bfloat16", 0, None, False),
+    (128, 64, [1] * 64, [1024] * 64, "bfloat16", 0, None, False),
+    (16, 64, [1] * 32, [4096] * 32, "bfloat16", 0, None, False),
+]
+
+
+def make(d, cases=None, target=SPLIT):
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(11)
+    for k, (h, ps, qo, kv, dt, pad, dev, bad) in enumerate(cases or CASES):
+        qo, kv = np.array(qo), np.array(kv)
+        t = int(qo.sum()) + pad
+        need = -(-kv // ps)
+        maxp = int(need.max()) + 1
+        num_pages = int(need.sum()) + 3
+        perm = rng.permutation(num_pages)
+        table = rng.integers(0, num_pages, (len(qo), maxp)).astype(np.int32)
+        at = 0
+        for r, n in enumerate(need):
+            table[r, :n] = perm[at:at + n]
+            at += n
+        if bad:
+            table[0, 0] = -3
+            table[-1, 0] = num_pages + 7
+        plan = plan_mla(qo, kv, num_heads=h, page_size=ps, num_tokens=t, target=target)
+        code = DTYPES[dt]
+        arrays = [_round(rng.standard_normal(s, dtype=np.float32), code) for s in
+                  ((t, h, 512), (t, h, 64), (num_pages, ps, 512), (num_pages, ps, 64))]
+        kv_dev = np.asarray(kv if dev is None else dev, np.int32)
+        hdr = np.zeros(16, np.int32)
+        hdr[:12] = (0x4D4C4131, code, t, h, num_pages, ps, len(qo), maxp, len(kv_dev), plan.work.shape[0],
+                    plan.merge.shape[0], plan.num_partial_rows)
+        with open(os.path.join(d, f"case{k}.bin"), "wb") as f:
+            f.write(hdr.tobytes())
+            f.write(np.float32(SCALE).tobytes())
+            for a in arrays:
+                f.write(a.astype(np.float32).tobytes())
+            for a in (table, kv_dev, plan.work, plan.merge):
+                f.write(np.ascontiguousarray(a, np.int32).tobytes())
+        if cases is None:  # reference inputs for `check` (the profiling cases are not checked)
+            np.savez(os.path.join(d, f"case{k}.npz"), qn=arrays[0], qp=arrays[1], ckv=arrays[2], kpe=arrays[3],
+                   table=table, kv=kv_dev, tokens=np.asarray(plan.tokens), code=code)
+        w = np.asarray(plan.work)
+        print(f"case{k}: heads={h} ps={ps} {dt} T={t} units={(w[:, 2] > 0).sum()} "
+              f"split_units={((w[:, 2] > 0) & (w[:, 6] >= 0)).sum()}")
+
+
+def reference(z):
+    qn, qp, ckv, kpe = (z[k].astype(np.float64) for k in ("qn", "qp", "ckv", "kpe"))
+    table, kv, tokens = z["table"], z["kv"], z["tokens"]
+    t, h, _ = qn.shape
+    num_pages, ps, _ = ckv.shape
+    cap = table.shape[1] * ps
+    out = np.zeros((t, h, 512))
+    lse = np.full((t, h), -np.inf)
+    for i in range(t):
+        r, e = tokens[i]
+        if r < 0:
+            continue
+        n = max(min(int(kv[r]), cap) - e + 1, 0)
+        pos = np.arange(n)
+        pages = table[r, pos // ps]
+        ok = (pages >= 0) & (pages < num_pages)
+        if not ok.any():
+            continue
+        kc = ckv[pages[ok], pos[ok] % ps]
+        kr = kpe[pages[ok], pos[ok] % ps]
+        s = SCALE * (qn[i] @ kc.T + qp[i] @ kr.T)
+        m = s.max(axis=1, keepdims=True)
+        p = np.exp(s - m)
+        out[i] = p @ kc / p.sum(axis=1, keepdims=True)
+        lse[i] = (m[:, 0] + np.log(p.sum(axis=1)))
+    return out, lse
+
+
+def check(d):
+    ok = True
+    for path in sorted(glob.glob(os.path.join(d, "case*.bin"))):
+        z = np.load(path[:-4] + ".npz")
+        t, h, _ = z["qn"].shape
+        res = np.fromfile(path + ".out", np.float32)
+        out, lse = res[: t * h * 512].reshape(t, h, 512), res[t * h * 512:].reshape(t, h)
+        ref, ref_lse = reference(z)
+        err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+        empty = np.isneginf(ref_lse)
+        lse_err = np.abs(lse[~empty] - ref_lse[~empty]).max() if (~empty).any() else 0.0
+        good = (np.isfinite(out).all() and (out[empty] == 0).all() and (np.isneginf(lse) == empty).all()
+                and err < TOL[int(z["code"])] and lse_err < 2e-3)
+        ok &= bool(good)
+        print(f"{'ok  ' if good else 'FAIL'} {os.path.basename(path)} out_err={err:.2e} lse_err={lse_err:.2e}")
+    print("HARNESS OK" if ok else "HARNESS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    cmd, d = sys.argv[1], sys.argv[2]
+    if cmd == "profile":
+        sys.exit(make(d, PROFILE_CASES, PlanTarget(num_workers=132, units_per_worker=1.0, min_chunk=256,
+                                                    chunk_align=64, unit_overhead=128)))
+    sys.exit(make(d) if cmd == "make" else check(d))

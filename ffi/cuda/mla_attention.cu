@@ -1,0 +1,147 @@
+// XLA FFI handler of the paged MLA op on CUDA: checks shapes, then launches the
+// attention kernel (one block per work unit and head block) and the merge
+// kernel on XLA's stream. No allocation, no synchronisation and no read of
+// device data on the host, so XLA may record it into a command buffer (CUDA
+// graph). The split workspace comes in as two of XLA's result buffers.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "mla_launch.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_mla {
+namespace cuda {
+namespace {
+
+std::string dims_str(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error bad(const std::string& msg) { return ffi::Error::InvalidArgument("jax_mla CUDA: " + msg); }
+
+ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv,
+                                ffi::AnyBuffer kpe, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> kv_lens,
+                                ffi::Buffer<ffi::S32> work, ffi::Buffer<ffi::S32> merge,
+                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                ffi::Result<ffi::Buffer<ffi::F32>> partial_o,
+                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, float sm_scale) {
+  const auto qd = q_nope.dimensions(), rd = q_pe.dimensions(), cd = ckv.dimensions(), kd = kpe.dimensions();
+  const auto pd = page_table.dimensions(), ld = kv_lens.dimensions();
+  const auto wd = work.dimensions(), md = merge.dimensions();
+  const auto od = out->dimensions(), sd = lse->dimensions();
+  const auto pod = partial_o->dimensions(), psd = partial_lse->dimensions();
+  if (qd.size() != 3 || rd.size() != 3 || cd.size() != 3 || kd.size() != 3) {
+    return bad("q_nope, q_pe, ckv, kpe must have rank 3; got " + dims_str(qd) + ", " + dims_str(rd) + ", " +
+               dims_str(cd) + ", " + dims_str(kd));
+  }
+  if (pd.size() != 2 || ld.size() != 1 || wd.size() != 2 || md.size() != 2) {
+    return bad("page_table/kv_lens/work/merge ranks must be 2/1/2/2");
+  }
+  const int64_t T = qd[0], H = qd[1], P = cd[0], ps = cd[1];
+  if (qd[2] != kDimCkv || rd[2] != kDimKpe || cd[2] != kDimCkv || kd[2] != kDimKpe) {
+    return bad("built for d_ckv=512, d_kpe=64; got q_nope " + dims_str(qd) + ", q_pe " + dims_str(rd));
+  }
+  if (rd[0] != T || rd[1] != H || kd[0] != P || kd[1] != ps) return bad("q_pe/kpe disagree with q_nope/ckv");
+  if (wd[1] != kWorkCols || md[1] != kMergeCols) return bad("plan tables have the wrong number of columns");
+  if (od.size() != 3 || od[0] != T || od[1] != H || od[2] != kDimCkv || sd.size() != 2 || sd[0] != T ||
+      sd[1] != H) {
+    return bad("out/lse shapes " + dims_str(od) + ", " + dims_str(sd) + " do not match q_nope " + dims_str(qd));
+  }
+  if (pod.size() != 3 || psd.size() != 2 || pod[1] != H || pod[2] != kDimCkv || psd[0] != pod[0] ||
+      psd[1] != H) {
+    return bad("workspace shapes " + dims_str(pod) + ", " + dims_str(psd) + " are inconsistent");
+  }
+  const ffi::DataType dt = q_nope.element_type();
+  if (q_pe.element_type() != dt || ckv.element_type() != dt || kpe.element_type() != dt ||
+      out->element_type() != dt) {
+    return bad("q_nope, q_pe, ckv, kpe and out must share one dtype");
+  }
+  if (ps < 1 || ps > 256 || (ps & (ps - 1)) != 0) return bad("page_size " + std::to_string(ps) + " is not a power of two <= 256");
+  if (H < 1) return bad("need at least one head");
+  const int64_t R = pd[0], max_pages = pd[1];
+  if (T == 0) return ffi::Error::Success();
+  if (T > INT32_MAX || P > INT32_MAX || wd[0] > INT32_MAX || md[0] > INT32_MAX || pod[0] > INT32_MAX) {
+    return bad("operand too large for 32-bit indexing");
+  }
+
+  Problem p{};
+  p.q_nope = q_nope.untyped_data();
+  p.q_pe = q_pe.untyped_data();
+  p.ckv = ckv.untyped_data();
+  p.kpe = kpe.untyped_data();
+  p.page_table = page_table.typed_data();
+  p.kv_lens = kv_lens.typed_data();
+  p.work = work.typed_data();
+  p.merge = merge.typed_data();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  p.partial_o = partial_o->typed_data();
+  p.partial_lse = partial_lse->typed_data();
+  p.num_tokens = (int)T;
+  p.num_heads = (int)H;
+  p.num_pages = (int)P;
+  p.page_size = (int)ps;
+  int log2_ps = 0;
+  while ((1 << log2_ps) < ps) ++log2_ps;
+  p.log2_page_size = log2_ps;
+  p.num_requests = (int)std::min<int64_t>(R, INT32_MAX);
+  p.max_pages = (int)std::min<int64_t>(max_pages, INT32_MAX);
+  p.num_kv_lens = (int)std::min<int64_t>(ld[0], INT32_MAX);
+  p.num_work = (int)wd[0];
+  p.num_merge = (int)md[0];
+  p.num_partial_rows = (int)pod[0];
+  p.head_blocks = (int)((H + kRowsPerTile - 1) / kRowsPerTile);
+  p.q_tile = (int)std::max<int64_t>(1, kRowsPerTile / H);
+  p.capacity = (int)std::min<int64_t>(max_pages * ps, INT32_MAX);
+  p.scale_log2 = sm_scale * kLog2e;
+  if (P == 0 || R == 0 || max_pages == 0) {
+    p.num_requests = 0;  // nothing to read: every unit sees no keys
+    p.capacity = 0;
+  }
+  if ((int64_t)p.num_work * p.head_blocks > INT32_MAX) return bad("too many work units");
+
+  static const int merge_grid = 2 * sm_count();
+  cudaError_t err;
+  switch (dt) {
+    case ffi::DataType::BF16:
+      err = launch<__nv_bfloat16>(p, stream, merge_grid);
+      break;
+    case ffi::DataType::F16:
+      err = launch<__half>(p, stream, merge_grid);
+      break;
+    case ffi::DataType::F32:
+      err = launch<float>(p, stream, merge_grid);
+      break;
+    default:
+      return bad("dtype must be bfloat16, float16 or float32");
+  }
+  if (err != cudaSuccess) return ffi::Error::Internal(std::string("jax_mla CUDA launch: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace jax_mla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaPagedAttentionCuda, jax_mla::cuda::paged_attention_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()            // q_nope
+                                  .Arg<ffi::AnyBuffer>()            // q_pe
+                                  .Arg<ffi::AnyBuffer>()            // ckv
+                                  .Arg<ffi::AnyBuffer>()            // kpe
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // work
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // merge
+                                  .Ret<ffi::AnyBuffer>()            // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // lse
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // partial_o (workspace)
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // partial_lse (workspace)
+                                  .Attr<float>("sm_scale"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,406 @@
+// The tensor-core kernel of the paged MLA op (bf16 / fp16, d_ckv 512, d_kpe 64).
+//
+// One thread block (8 warps) computes one work unit of the host plan for up to
+// 64 query rows (rows = tokens x heads of the unit; a unit of a model with more
+// than 64 heads is spread over ceil(H/64) blocks). The block walks the unit's
+// key range in blocks of BK keys:
+//
+//   * keys are gathered through the page table with 16-byte cp.async into a
+//     STAGES-deep ring of shared-memory tiles [BK][512 | 64]; page ids come
+//     STAGES-1 blocks ahead through a second (smem) ring, so the gather never
+//     waits on a page-table read;
+//   * S = Q K^T (mma.sync m16n8k16, fp32 accumulate): the "S warps" split the
+//     block's rows (16-row tiles) and keys between them;
+//   * online softmax in base 2: row maxima are combined across warps through
+//     shared memory, P is rounded to the input type and shared the same way;
+//   * O += P V: every warp owns 64 of the 512 output columns for all rows, so
+//     V (the ckv half of the key tile) is read from shared memory once.
+//
+// The row count decides the tile shape at run time (a 16-head decode unit has
+// 16 rows, a 4-token causal unit of the same model 64), so the kernel carries
+// three bodies; one is taken uniformly per block.
+//
+// Split units write normalised float32 partial outputs and natural-log LSEs to
+// the workspace; mla_merge_kernel combines them (mla_merge_kernel.cuh).
+#pragma once
+
+#include "mla_common.cuh"
+
+namespace jax_mla {
+namespace cuda {
+
+// Shared-memory rows of keys and queries: 576 elements + 16 bytes of padding,
+// so that the eight 16-byte rows one ldmatrix phase reads fall in distinct banks.
+constexpr int kRowStride = kDimKey + 8;       // elements
+constexpr int kRowBytes = kRowStride * 2;     // 1168
+constexpr int kChunksPerKey = kDimKey / 8;    // 72 16-byte chunks: 64 ckv + 8 kpe
+
+template <int MT_, int BK_, int STAGES_>
+struct TileShape {
+  static constexpr int MT = MT_;          // 16-row tiles
+  static constexpr int BK = BK_;          // keys per pipeline stage
+  static constexpr int STAGES = STAGES_;  // depth of the key ring
+  static constexpr int MP = MT * 16;      // padded rows
+  // S phase: warps = MT row tiles x KG key groups of KW keys (NT n8 tiles each).
+  static constexpr int KG = (8 / MT) < (BK / 8) ? (8 / MT) : (BK / 8);
+  static constexpr int SW = MT * KG;
+  static constexpr int KW = BK / KG;
+  static constexpr int NT = KW / 8;
+  static constexpr int PASSES = BK / 32;  // 256 threads x 16 B cover 32 keys per pass
+  static constexpr int P_STRIDE = BK + 8; // elements; padded like the key rows
+  // Byte offsets in dynamic shared memory.
+  static constexpr int Q_OFF = 0;
+  static constexpr int KV_OFF = Q_OFF + MP * kRowBytes;
+  static constexpr int P_OFF = KV_OFF + STAGES * BK * kRowBytes;
+  static constexpr int RED_MAX_OFF = P_OFF + MP * P_STRIDE * 2;
+  static constexpr int RED_SUM_OFF = RED_MAX_OFF + KG * MP * 4;
+  static constexpr int ALPHA_OFF = RED_SUM_OFF + KG * MP * 4;
+  static constexpr int M_FINAL_OFF = ALPHA_OFF + MP * 4;
+  static constexpr int KEY_OK_OFF = M_FINAL_OFF + MP * 4;
+  static constexpr int PAGE_RING = 2 * STAGES;  // blocks of page ids in flight or waiting
+  static constexpr int PAGE_RING_OFF = KEY_OK_OFF + STAGES * BK * 4;
+  static constexpr int BYTES = PAGE_RING_OFF + PAGE_RING * BK * 4;
+
+  static_assert(NT == 1 || NT == 2, "S warps hold one or two n8 tiles");
+  static_assert(SW <= kWarps && BK % 32 == 0 && BK <= kThreads, "tile shape");
+  static_assert(8 * 64 == kDimCkv, "each warp owns 64 output columns");
+};
+
+// The three bodies: 16 rows (decode of <= 16 heads), 32 rows, 64 rows.
+using Tile16 = TileShape<1, 32, 5>;
+using Tile32 = TileShape<2, 32, 4>;
+using Tile64 = TileShape<4, 32, 3>;
+
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+constexpr int kAttentionSmemBytes = cmax(Tile16::BYTES, cmax(Tile32::BYTES, Tile64::BYTES));
+
+template <typename T, typename Shape>
+__device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int h0, int hb, char* smem) {
+  constexpr int MT = Shape::MT, BK = Shape::BK, STAGES = Shape::STAGES, MP = Shape::MP;
+  constexpr int KG = Shape::KG, KW = Shape::KW, NT = Shape::NT, PASSES = Shape::PASSES;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int rows = u.q_len * hb;
+
+  const uint32_t s_q = smem_addr(smem + Shape::Q_OFF);
+  const uint32_t s_kv = smem_addr(smem + Shape::KV_OFF);
+  const uint32_t s_p = smem_addr(smem + Shape::P_OFF);
+  float* red_max = reinterpret_cast<float*>(smem + Shape::RED_MAX_OFF);
+  float* red_sum = reinterpret_cast<float*>(smem + Shape::RED_SUM_OFF);
+  float* alpha_s = reinterpret_cast<float*>(smem + Shape::ALPHA_OFF);
+  float* m_final = reinterpret_cast<float*>(smem + Shape::M_FINAL_OFF);
+  int* key_ok = reinterpret_cast<int*>(smem + Shape::KEY_OK_OFF);
+  int* page_ring = reinterpret_cast<int*>(smem + Shape::PAGE_RING_OFF);
+
+  const T* q_nope = static_cast<const T*>(p.q_nope);
+  const T* q_pe = static_cast<const T*>(p.q_pe);
+  const T* ckv = static_cast<const T*>(p.ckv);
+  const T* kpe = static_cast<const T*>(p.kpe);
+
+  // ---- queries: rows r = (token r / hb, head h0 + r % hb); padding rows zero ----
+  for (int idx = tid; idx < MP * kChunksPerKey; idx += kThreads) {
+    const int r = idx / kChunksPerKey, c = idx - r * kChunksPerKey;
+    const void* src = q_nope;
+    int bytes = 0;
+    if (r < rows) {
+      const size_t tok_head = (size_t)(u.q_start + r / hb) * p.num_heads + h0 + r % hb;
+      src = c < 64 ? (const void*)(q_nope + tok_head * kDimCkv + c * 8)
+                   : (const void*)(q_pe + tok_head * kDimKpe + (c - 64) * 8);
+      bytes = 16;
+    }
+    cp_async16(s_q + r * kRowBytes + c * 16, src, bytes);
+  }
+
+  // ---- key gather: thread -> (key kl = pass*32 + tid/8, chunks tid%8 + 8i) ----
+  const int kv_begin = u.kv_begin;
+  const int num_keys = u.range_end - kv_begin;
+  const int num_blocks = (num_keys + BK - 1) / BK;
+  const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+  const int sub = tid & 7;
+
+  // Page ids travel through a shared-memory ring, fetched with 4-byte cp.async
+  // S-1 blocks before the keys that need them and waited for together with the
+  // keys of an earlier block: the gather never stalls on a page-table read.
+  // Slot of block b: b % PAGE_RING; entries past the range are zero-filled and
+  // never used (issue_block checks the key index first).
+  auto fetch_pages = [&](int blk) {
+    if (tid < BK) {
+      const int key = kv_begin + blk * BK + tid;
+      const bool ok = blk < num_blocks && key < u.range_end;
+      const int* src = ok ? pt_row + (key >> p.log2_page_size) : p.page_table;
+      cp_async4(smem_addr(page_ring + (blk % Shape::PAGE_RING) * BK + tid), src, ok ? 4 : 0);
+    }
+  };
+  auto issue_block = [&](int blk) {
+    const int stage = blk % STAGES;
+    const int* pages = page_ring + (blk % Shape::PAGE_RING) * BK;
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const int kl = pass * 32 + (tid >> 3);
+      const int key = kv_begin + blk * BK + kl;
+      const int page = pages[kl];
+      const bool ok = key < u.range_end && page >= 0 && page < p.num_pages;
+      const size_t slot = ok ? (size_t)page * p.page_size + (key & (p.page_size - 1)) : 0;
+      const T* src_c = ckv + slot * kDimCkv;
+      const T* src_r = kpe + slot * kDimKpe;
+      const int bytes = ok ? 16 : 0;
+      const uint32_t dst = s_kv + (stage * BK + kl) * kRowBytes;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) cp_async16(dst + (sub + 8 * i) * 16, src_c + (sub + 8 * i) * 8, bytes);
+      cp_async16(dst + (64 + sub) * 16, src_r + sub * 8, bytes);
+      if (sub == 0) key_ok[stage * BK + kl] = ok;
+    }
+  };
+
+  // Prologue: the queries and the pages of blocks 0 .. 2S-3 (one round trip),
+  // then the keys of blocks 0 .. S-2, one commit group each.
+  for (int b = 0; b < 2 * STAGES - 2; ++b) fetch_pages(b);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_blocks) issue_block(s);
+    cp_async_commit();
+  }
+
+  // ---- per-thread state ----
+  // S role (warp < SW): row tile mt, key group kg; rows r0 = mt*16+g, r0+8.
+  const bool s_warp = warp < Shape::SW;
+  const int mt_s = warp % MT, kg = warp / MT;
+  const int r_s[2] = {mt_s * 16 + g, mt_s * 16 + g + 8};
+  int row_limit[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = r_s[e];
+    row_limit[e] = r < rows ? min(u.kv_stop, visible_keys(u, r / hb)) : INT_MIN;
+  }
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+
+  // O role (all warps): columns warp*64 .. +64, all MP rows.
+  float o[MT][8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][nt][e] = 0.f;
+
+  // ldmatrix lane addresses (byte offsets inside a tile).
+  // A operand (16x16, row-major): lanes 0-7 rows 0-7 / 8-15 rows 8-15, cols 0 | 8.
+  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int a_col = (lane >> 4) * 8;
+  const uint32_t q_lane = s_q + (mt_s * 16 + a_row) * kRowBytes + a_col * 2;
+  // B operand of S (keys as n): NT==1 -> one key octet, four k8 slices (two k-steps);
+  // NT==2 -> two key octets, two k8 slices (one k-step).
+  const int kb_key = NT == 1 ? kg * KW + (lane & 7) : kg * KW + (lane & 7) + (lane >> 4) * 8;
+  const int kb_col = NT == 1 ? (lane >> 3) * 8 : ((lane >> 3) & 1) * 8;
+  // B operand of PV (keys as k, transposed load): keys a_row, columns warp*64 + a_col.
+  const uint32_t p_lane = s_p + a_row * (Shape::P_STRIDE * 2) + a_col * 2;
+
+  for (int blk = 0; blk < num_blocks; ++blk) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // block blk landed for everyone; block blk-1 fully consumed
+    {
+      const int nb = blk + STAGES - 1;  // refill the stage block blk-1 used
+      if (nb < num_blocks) issue_block(nb);
+      fetch_pages(nb + STAGES - 1);     // its pages land with block nb's keys, S-1 iterations early
+      cp_async_commit();
+    }
+    const int stage = blk % STAGES;
+    const uint32_t s_k = s_kv + stage * BK * kRowBytes;
+    const int key0 = kv_begin + blk * BK;
+
+    // ---- S = Q K^T for this warp's rows and keys ----
+    float sc[NT][4];
+    if (s_warp) {
+      float acc[2][NT][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[h][nt][e] = 0.f;
+      const uint32_t k_lane = s_k + kb_key * kRowBytes + kb_col * 2;
+      if constexpr (NT == 1) {
+#pragma unroll 6
+        for (int j = 0; j < kDimKey / 32; ++j) {
+          uint32_t kb[4], qa[4], qb[4];
+          ldmatrix_x4(kb, k_lane + j * 64);
+          ldmatrix_x4(qa, q_lane + j * 64);
+          ldmatrix_x4(qb, q_lane + j * 64 + 32);
+          mma_16816<T>(acc[0][0], qa, kb[0], kb[1]);
+          mma_16816<T>(acc[1][0], qb, kb[2], kb[3]);
+        }
+      } else {
+#pragma unroll 6
+        for (int j = 0; j < kDimKey / 32; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint32_t kb[4], qa[4];
+            ldmatrix_x4(kb, k_lane + j * 64 + h * 32);
+            ldmatrix_x4(qa, q_lane + j * 64 + h * 32);
+            mma_16816<T>(acc[h][0], qa, kb[0], kb[1]);
+            mma_16816<T>(acc[h][1], qa, kb[2], kb[3]);
+          }
+        }
+      }
+      // Scale, mask, and this warp's row maxima.
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kl = kg * KW + nt * 8 + 2 * t4 + (e & 1);
+          const bool vis = key_ok[stage * BK + kl] != 0 && key0 + kl < row_limit[e >> 1];
+          const float s = (acc[0][nt][e] + acc[1][nt][e]) * p.scale_log2;
+          sc[nt][e] = vis ? s : -INFINITY;
+          mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
+        mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
+        if (t4 == 0) red_max[kg * MP + r_s[e]] = mx[e];
+      }
+    }
+    __syncthreads();  // row maxima of all key groups visible
+
+    // ---- softmax: P = 2^(S - m), running max and (per-thread partial) sums ----
+    if (s_warp) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float m_blk = -INFINITY;
+#pragma unroll
+        for (int k = 0; k < KG; ++k) m_blk = fmaxf(m_blk, red_max[k * MP + r_s[e]]);
+        const float m_new = fmaxf(m_run[e], m_blk);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no key seen yet: keep zeros, no NaN
+        const float alpha = fast_exp2(m_run[e] - m_use);
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          sc[nt][2 * e] = fast_exp2(sc[nt][2 * e] - m_use);
+          sc[nt][2 * e + 1] = fast_exp2(sc[nt][2 * e + 1] - m_use);
+          sum += sc[nt][2 * e] + sc[nt][2 * e + 1];
+        }
+        l_run[e] = l_run[e] * alpha + sum;
+        m_run[e] = m_new;
+        if (kg == 0 && t4 == 0) alpha_s[r_s[e]] = alpha;
+      }
+      uint32_t* p_words = reinterpret_cast<uint32_t*>(smem + Shape::P_OFF);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int col = kg * KW + nt * 8 + 2 * t4;
+        p_words[(r_s[0] * Shape::P_STRIDE + col) >> 1] = pack2<T>(sc[nt][0], sc[nt][1]);
+        p_words[(r_s[1] * Shape::P_STRIDE + col) >> 1] = pack2<T>(sc[nt][2], sc[nt][3]);
+      }
+    }
+    __syncthreads();  // P and the rescale factors visible
+
+    // ---- O = alpha * O + P V over this warp's 64 columns ----
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      const float a0 = alpha_s[mt * 16 + g], a1 = alpha_s[mt * 16 + g + 8];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        o[mt][nt][0] *= a0;
+        o[mt][nt][1] *= a0;
+        o[mt][nt][2] *= a1;
+        o[mt][nt][3] *= a1;
+      }
+    }
+    const uint32_t v_lane = s_k + a_row * kRowBytes + (warp * 64 + a_col) * 2;
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ++ks) {
+      uint32_t pa[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(pa[mt], p_lane + mt * 16 * (Shape::P_STRIDE * 2) + ks * 32);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t vb[4];
+        ldmatrix_x4_trans(vb, v_lane + ks * 16 * kRowBytes + np * 32);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          mma_16816<T>(o[mt][2 * np], pa[mt], vb[0], vb[1]);
+          mma_16816<T>(o[mt][2 * np + 1], pa[mt], vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
+
+  // ---- combine the per-warp softmax sums; final max per row ----
+  if (s_warp) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float l = l_run[e];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (t4 == 0) {
+        red_sum[kg * MP + r_s[e]] = l;
+        if (kg == 0) m_final[r_s[e]] = m_run[e];
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- epilogue: normalise and store (directly, or as a split partial) ----
+  const bool direct = u.partial_row < 0;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int r = mt * 16 + g + 8 * e;
+      if (r >= rows) continue;
+      float l = 0.f;
+#pragma unroll
+      for (int k = 0; k < KG; ++k) l += red_sum[k * MP + r];
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float lse = l > 0.f ? (m_final[r] + __log2f(l)) * kLn2 : -INFINITY;
+      const int i = r / hb, h = h0 + r % hb;
+      const int col0 = warp * 64 + 2 * t4;
+      if (direct) {
+        const size_t row = (size_t)(u.q_start + i) * p.num_heads + h;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * kDimCkv + col0);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) dst[nt * 4] = pack2<T>(o[mt][nt][2 * e] * inv, o[mt][nt][2 * e + 1] * inv);
+        if (warp == 0 && t4 == 0) p.lse[row] = lse;
+      } else {
+        const size_t row = (size_t)(u.partial_row + i) * p.num_heads + h;
+        float2* dst = reinterpret_cast<float2*>(p.partial_o + row * kDimCkv + col0);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) dst[nt * 4] = make_float2(o[mt][nt][2 * e] * inv, o[mt][nt][2 * e + 1] * inv);
+        if (warp == 0 && t4 == 0) p.partial_lse[row] = lse;
+      }
+    }
+  }
+}
+
+// grid.x = W * head_blocks (the head blocks of one unit are neighbours, so they
+// run together and the second one finds the keys in L2); 256 threads.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) mla_attention_kernel(const Problem p) {
+  extern __shared__ __align__(16) char smem[];
+  const int unit_index = blockIdx.x / p.head_blocks;
+  const int head_block = blockIdx.x - unit_index * p.head_blocks;
+  Unit u;
+  if (!decode_unit(p, unit_index, u)) return;  // padding unit (or unusable row)
+  const int h0 = head_block * kRowsPerTile;
+  const int hb = min(kRowsPerTile, p.num_heads - h0);
+  const int rows = u.q_len * hb;
+  if (rows > kRowsPerTile) return;  // cannot happen with q_len <= q_tile; keeps tiles in bounds
+  if (rows <= 16) {
+    attend_unit<T, Tile16>(p, u, h0, hb, smem);
+  } else if (rows <= 32) {
+    attend_unit<T, Tile32>(p, u, h0, hb, smem);
+  } else {
+    attend_unit<T, Tile64>(p, u, h0, hb, smem);
+  }
+}
+
+}  // namespace cuda
+}  // namespace jax_mla

@@ -1,0 +1,196 @@
+// Pieces shared by the CUDA kernels of the paged MLA op: the problem
+// description every kernel receives, the decoding of one plan row into the
+// key range it covers (plan_layout.h), and thin wrappers over the PTX we use.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "jax_mla/plan_layout.h"
+
+namespace jax_mla {
+namespace cuda {
+
+constexpr int kDimCkv = 512;                // d_ckv the kernels are built for
+constexpr int kDimKpe = 64;                 // d_kpe
+constexpr int kDimKey = kDimCkv + kDimKpe;  // a key is [ckv | kpe]
+constexpr int kRowsPerTile = 64;            // planner.ROWS_PER_TILE
+constexpr int kThreads = 256;               // every kernel: 8 warps
+constexpr int kWarps = kThreads / 32;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Everything a launch needs, passed by value as one kernel parameter.
+struct Problem {
+  const void* q_nope;      // [T, H, 512]
+  const void* q_pe;        // [T, H, 64]
+  const void* ckv;         // [P, ps, 512]
+  const void* kpe;         // [P, ps, 64]
+  const int32_t* page_table;  // [R, max_pages]
+  const int32_t* kv_lens;     // [num_kv_lens]
+  const int32_t* work;        // [W, kWorkCols]
+  const int32_t* merge;       // [M, kMergeCols]
+  void* out;                  // [T, H, 512] in the query dtype
+  float* lse;                 // [T, H]
+  float* partial_o;           // [Pp, H, 512]
+  float* partial_lse;         // [Pp, H]
+  int num_tokens;             // T
+  int num_heads;              // H
+  int num_pages;              // P
+  int page_size;              // ps, a power of two
+  int log2_page_size;
+  int num_requests;           // R (page_table rows)
+  int max_pages;              // page_table columns
+  int num_kv_lens;
+  int num_work;               // W
+  int num_merge;              // M
+  int num_partial_rows;       // Pp
+  int head_blocks;            // ceil(H / 64): blocks sharing one work unit
+  int q_tile;                 // max(1, 64 / H), as the planner computes it
+  int capacity;               // min(max_pages * ps, INT_MAX): keys a request can hold
+  float scale_log2;           // sm_scale * log2(e): scores live in base 2
+};
+
+// One work unit, decoded and clipped against the device lengths.
+struct Unit {
+  int request;
+  int q_start;
+  int q_len;
+  int q_end_offset;   // e of the first token; token i has e - i
+  int partial_row;    // < 0: write out/lse directly
+  int kv_len;         // device length clipped to [0, capacity]; 0 for a bad request
+  int kv_begin;       // first key of the split
+  int kv_stop;        // one past the split's last key (may be kKvEndOpen)
+  int range_end;      // one past the last key any token of the unit sees
+};
+
+// Keys [0, visible) that local token i of the unit sees: causal, aligned to the
+// end of the request's query block, never beyond the device length.
+__device__ __forceinline__ int visible_keys(const Unit& u, int i) {
+  const long long v = (long long)u.kv_len - (long long)(u.q_end_offset - i) + 1;
+  return (int)min((long long)u.kv_len, max(0LL, v));
+}
+
+// Reads work row `index`; false for padding rows and for rows that would make
+// the kernel touch memory outside its operands (a plan for other shapes).
+__device__ __forceinline__ bool decode_unit(const Problem& p, int index, Unit& u) {
+  const int4* row = reinterpret_cast<const int4*>(p.work + (size_t)index * kWorkCols);
+  const int4 a = __ldg(row);
+  const int4 b = __ldg(row + 1);
+  u.request = a.x;
+  u.q_start = a.y;
+  u.q_len = a.z;
+  u.q_end_offset = a.w;
+  u.partial_row = b.z;
+  if (u.q_len <= 0 || u.q_len > p.q_tile) return false;
+  if (u.q_start < 0 || (long long)u.q_start + u.q_len > p.num_tokens) return false;
+  if (u.partial_row >= 0 && (long long)u.partial_row + u.q_len > p.num_partial_rows) return false;
+  u.kv_len = 0;
+  if (u.request >= 0 && u.request < p.num_requests && u.request < p.num_kv_lens) {
+    u.kv_len = min(max(__ldg(p.kv_lens + u.request), 0), p.capacity);
+  }
+  u.kv_begin = max(b.x, 0);
+  u.kv_stop = max(b.y, u.kv_begin);
+  u.range_end = max(min(u.kv_stop, visible_keys(u, u.q_len - 1)), u.kv_begin);
+  return true;
+}
+
+// A merge row is usable when every partial row it names lies in the workspace.
+__device__ __forceinline__ bool merge_row_ok(const Problem& p, int4 m) {
+  const int q_start = m.x, q_len = m.y, base = m.z, splits = m.w;
+  if (q_len <= 0 || q_len > p.q_tile || splits < 1 || base < 0 || q_start < 0) return false;
+  if ((long long)q_start + q_len > p.num_tokens) return false;
+  return (long long)base + (long long)splits * q_len <= p.num_partial_rows;
+}
+
+// ---- PTX wrappers ------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+
+// 16-byte global->shared copy that bypasses L1; src_bytes = 0 writes zeros and
+// reads nothing (used for keys outside the range and for skipped pages).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+// 4-byte copy through L1 (page ids: neighbours share lines); src_bytes = 0 writes zero.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// D = A(16x16, row) * B(16x8, col) + D with float accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x; exact 0 for -inf, which is how masked scores vanish.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats packed as one 32-bit pair of T (the mma operand format).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+
+}  // namespace cuda
+}  // namespace jax_mla

@@ -1,0 +1,59 @@
+// Host-side launch of the op's kernels for one problem (used by the XLA FFI
+// handler and by the standalone sanitizer harness, benchmarks/sanitize_harness.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <type_traits>
+
+#include "mla_attention_f32_kernel.cuh"
+#include "mla_attention_kernel.cuh"
+#include "mla_merge_kernel.cuh"
+
+namespace jax_mla {
+namespace cuda {
+
+constexpr int kMaxDevices = 64;
+
+inline int sm_count() {
+  int device = 0, count = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count <= 0) {
+    cudaGetLastError();  // clear; fall back to the H200's count
+    return 132;
+  }
+  return count;
+}
+
+// Attention kernel (one block per work unit and head block), then the merge
+// kernel (split partials, padding tokens). Enqueues only: no sync, no alloc.
+template <typename T>
+inline cudaError_t launch(const Problem& p, cudaStream_t stream, int merge_grid) {
+  const int blocks = p.num_work * p.head_blocks;
+  if (blocks > 0) {
+    if constexpr (std::is_same_v<T, float>) {
+      mla_attention_f32_kernel<<<blocks, kThreads, 0, stream>>>(p);
+    } else {
+      // Opt in to > 48 KiB of shared memory, once per device (legal during capture too).
+      static std::atomic<bool> raised[kMaxDevices] = {};
+      int device = 0;
+      cudaError_t err = cudaGetDevice(&device);
+      if (err != cudaSuccess) return err;
+      if (device < 0 || device >= kMaxDevices || !raised[device].load(std::memory_order_acquire)) {
+        err = cudaFuncSetAttribute(mla_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   kAttentionSmemBytes);
+        if (err != cudaSuccess) return err;
+        if (device >= 0 && device < kMaxDevices) raised[device].store(true, std::memory_order_release);
+      }
+      mla_attention_kernel<T><<<blocks, kThreads, kAttentionSmemBytes, stream>>>(p);
+    }
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  mla_merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace jax_mla

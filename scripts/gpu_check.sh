@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# On the GPU machine: build jax_mla (CUDA for sm_90a), check the CUDA kernels
+# against the reference, run the test suite, compute-sanitizer (memcheck and
+# racecheck) on benchmarks/sanitize_case.py, and the benchmark. Logs, the
+# benchmark JSON and the roofline land in $OUT (default /tmp/jax_mla_out).
+#
+#   scripts/gpu_check.sh [build] [decode] [check|quickcheck] [test] [sanitize] [bench] [sweep]
+#   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests)
+#
+# FlashInfer 0.2.5 for the benchmark's peers: its sdist in .peer/ (git-ignored;
+# `pip download --no-deps flashinfer-python==0.2.5 -d .peer`), installed here
+# into /tmp/fi; its kernels are JIT-built on first use.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/jax_mla_out}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+export PATH=$PATH:/usr/local/cuda/bin
+steps=${*:-build check test sanitize bench}
+has() { [[ " $steps " == *" $1 "* ]]; }
+status=0
+note() { echo "== $* ($(date +%T))" | tee -a "$LOGS/summary.txt"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$LOGS/gpu.txt" 2>&1
+python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' >> "$LOGS/gpu.txt" 2>&1
+
+# FlashInfer: install and JIT-build its two MLA backends in the background
+# (CPU work, overlaps the build and the tests; the cache stays on this machine).
+export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=12 FLASHINFER_WORKSPACE_BASE=/tmp
+fi_pid=
+if ls .peer/flashinfer_python-*.tar.gz > /dev/null 2>&1 && [ ! -f /tmp/fi/.jit_done ]; then
+  (
+    [ -d /tmp/fi/flashinfer ] || python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/fi \
+      .peer/flashinfer_python-*.tar.gz
+    echo "install exit $?"
+    PYTHONPATH=/tmp/fi python3 -c '
+import time, torch
+from flashinfer.mla import get_batch_mla_module
+for b in ("fa2", "fa3"):
+    t = time.time()
+    get_batch_mla_module(b)(torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, 512, 64, False)
+    print("flashinfer", b, "built in", round(time.time() - t), "s", flush=True)
+' && touch /tmp/fi/.jit_done
+  ) > "$LOGS/flashinfer_setup.log" 2>&1 &
+  fi_pid=$!
+fi
+
+if has build; then
+  note build
+  if python3 -m pip install --no-build-isolation --no-deps -v -e . > "$LOGS/build.log" 2>&1; then
+    grep -E "ptxas info|spill|jax_mla:" "$LOGS/build.log" | head -40
+  else
+    tail -40 "$LOGS/build.log"; echo "BUILD FAILED"; status=1
+  fi
+  python3 -c 'import jax_mla, jax; from jax_mla import _ffi; print("registered:", sorted(_ffi.registered_platforms()))' 2>&1 | tee -a "$LOGS/summary.txt"
+fi
+
+built=$status
+if has decode && [ $built -eq 0 ]; then
+  # Issue 4's benchmark: jitted decode step of a V2-Lite-shaped stack, our op vs the reference.
+  note "bench_decode"
+  timeout ${DECODE_TIMEOUT:-180} python3 benchmarks/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 \
+    | tee "$LOGS/bench_decode.log" | tail -20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if (has check || has quickcheck) && [ $built -eq 0 ]; then
+  note check
+  small=""; has check || small="--small"
+  timeout 240 python3 benchmarks/sanitize_case.py $small 2>&1 | tee "$LOGS/check.log" | tail -20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has test && [ $built -eq 0 ]; then
+  note pytest
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${PYTEST_ARGS:--x} -q -p no:cacheprovider ${PYTEST_PATHS:-tests/} 2>&1 | tee "$LOGS/pytest.log" | tail -25
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if has sanitize && [ $built -eq 0 ]; then
+  # Standalone driver (no JAX): one cudaMalloc per operand, so memcheck sees each
+  # operand's true bounds; outputs then checked against NumPy.
+  note "sanitizer harness build"
+  nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
+    benchmarks/sanitize_harness.cu -o /tmp/mla_harness > "$LOGS/harness_build.log" 2>&1 || status=1
+  JAX_PLATFORMS=cpu python3 benchmarks/sanitize_harness.py make /tmp/mla_cases | tee "$LOGS/harness_cases.log"
+  for tool in memcheck racecheck synccheck; do
+    note "compute-sanitizer --tool $tool /tmp/mla_harness"
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/mla_harness /tmp/mla_cases/case*.bin \
+      > "$LOGS/sanitizer_$tool.log" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] || status=1
+    tail -4 "$LOGS/sanitizer_$tool.log"
+    echo "compute-sanitizer $tool exit $rc" | tee -a "$LOGS/summary.txt"
+  done
+  JAX_PLATFORMS=cpu python3 benchmarks/sanitize_harness.py check /tmp/mla_cases 2>&1 | tee -a "$LOGS/summary.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if [ -n "${JAX_SANITIZE:-}" ]; then  # the same kernels under JAX (segfaulted here once)
+    note "compute-sanitizer memcheck (JAX process)"
+    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_case.py --small \
+      > "$LOGS/sanitizer_jax_memcheck.log" 2>&1
+    echo "compute-sanitizer memcheck (JAX) exit $?" | tee -a "$LOGS/summary.txt"
+    tail -6 "$LOGS/sanitizer_jax_memcheck.log"
+  fi
+fi
+
+[ -n "$fi_pid" ] && { wait $fi_pid; tail -4 "$LOGS/flashinfer_setup.log"; }
+if has bench || has sweep; then
+  export PYTHONPATH=/tmp/fi${PYTHONPATH:+:$PYTHONPATH}
+  args="${BENCH_ARGS:-}"
+  has sweep && args="--sweep"
+  note "bench $args"
+  timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_attention.py --out "$OUT" $args 2>&1 | tee "$LOGS/bench.log" \
+    | grep -v "^  \|INFO" | tail -45
+fi
+
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+exit $status

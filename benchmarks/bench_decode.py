@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mla.attention import _pick_backend
+from jax_mla import resolve_backend
 from jax_mla.nn import DeepseekConfig, DeepseekModel, Generator, PagedCacheManager
 
 BYTES_PER_KV_TOKEN = (512 + 64) * 2  # bf16 ckv + kpe
@@ -126,7 +126,7 @@ def main(argv=None):
     cfg = v2_lite_attention_config(args.layers, args.heads)
     model = DeepseekModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, with_mlp=False)
     # Which implementation 'auto' runs here (the FFI kernel, or the reference where none is built).
-    resolved = _pick_backend("auto", 512, 64)
+    resolved = resolve_backend("auto", 512, 64)
     print(f"device: {dev.platform} {dev.device_kind}; jax {jax.__version__}; 'auto' runs: {resolved}")
     print(f"stack: {args.layers} layers, {args.heads} heads, kv_lora 512, rope 64, bf16; batch {args.batch} x "
           f"context {args.context}, page size {args.page_size}")

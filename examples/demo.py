@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_mla.attention import _pick_backend
+from jax_mla import resolve_backend
 from jax_mla.nn import DeepseekConfig, DeepseekModel, Generator, PagedCacheManager, RopeScaling, hf
 
 try:
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
 
     dev = jax.devices()[0]
     print(f"device: {dev.platform} ({dev.device_kind}); attention backend: {args.backend}")
-    if args.hf is None and args.backend == "auto" and _pick_backend("auto", 512, 64) == "reference":
+    if args.hf is None and args.backend == "auto" and resolve_backend("auto", 512, 64) == "reference":
         print("  (no FFI kernel is built for this platform: 'auto' runs the jnp reference)")
     if args.hf:
         model = hf.load_hf_model(args.hf, dtype=dtype, param_dtype=dtype)

@@ -1,12 +1,13 @@
 """jax_mla: paged Multi-head Latent Attention (DeepSeek-V2/V3) for JAX."""
 
-from .attention import mla_paged_attention
+from .attention import mla_paged_attention, resolve_backend
 from .cache import append_paged_kv
 from .planner import MLAPlan, PlanTarget, default_target, plan_mla
 from .reference import mla_paged_attention_reference
 
 __all__ = [
     "mla_paged_attention",
+    "resolve_backend",
     "mla_paged_attention_reference",
     "append_paged_kv",
     "plan_mla",

@@ -11,7 +11,7 @@ from ._validate import check_attention_args
 from .planner import MLAPlan
 from .reference import mla_paged_attention_reference
 
-__all__ = ["mla_paged_attention", "BACKENDS"]
+__all__ = ["mla_paged_attention", "resolve_backend", "BACKENDS"]
 
 BACKENDS = ("auto", "ffi", "reference")
 
@@ -20,7 +20,9 @@ BACKENDS = ("auto", "ffi", "reference")
 CUDA_DIMS = ((512, 64),)
 
 
-def _pick_backend(backend: str, d_ckv: int, d_kpe: int) -> str:
+def resolve_backend(backend: str, d_ckv: int, d_kpe: int) -> str:
+    """What `backend` ('auto', 'ffi' or 'reference') runs as on JAX's default platform for these head
+    dims: 'ffi' or 'reference'. Raises ValueError for 'ffi' where no kernel is built for them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "reference":
@@ -76,7 +78,7 @@ def mla_paged_attention(
     these head dims, else the reference), 'ffi' or 'reference'.
     """
     t, h, d_ckv, d_kpe = check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale)
-    which = _pick_backend(backend, d_ckv, d_kpe)
+    which = resolve_backend(backend, d_ckv, d_kpe)
     if which == "reference":
         return mla_paged_attention_reference(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan,
                                              sm_scale=sm_scale, return_lse=return_lse)

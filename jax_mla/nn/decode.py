@@ -197,6 +197,15 @@ class Generator:
         self._queue(np.arange(mgr.max_requests), emitted)
         return (slots, logits) if with_logits else slots
 
+    def _decode_rows(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """Active slots, per-slot query lengths (1 for active) and the token bucket of a decode step."""
+        slots = self.manager.active_slots
+        if slots.size == 0:
+            raise ValueError("no active requests to decode")
+        qo = np.zeros(self.manager.max_requests, np.int64)
+        qo[slots] = 1
+        return slots, qo, bucket(slots.size, self.min_token_bucket)
+
     def decode(self, num_steps: int, *, fetch_lag: int = 4, with_logits: bool = False,
                on_step: Callable[[int], None] | None = None):
         """Host-planned decode of every active slot for num_steps steps.
@@ -207,12 +216,7 @@ class Generator:
         (device arrays [T, vocab], rows in slot order) when with_logits.
         """
         mgr = self.manager
-        slots = mgr.active_slots
-        if slots.size == 0:
-            raise ValueError("no active requests to decode")
-        qo = np.zeros(mgr.max_requests, np.int64)
-        qo[slots] = 1
-        num_tokens = bucket(slots.size, self.min_token_bucket)
+        slots, qo, num_tokens = self._decode_rows()
         row_slot = np.full(num_tokens, -1, np.int64)
         row_slot[: slots.size] = slots  # rows are packed in slot order
         all_logits = []
@@ -246,12 +250,7 @@ class Generator:
         lengths after the last step; the kernel clips to the device lengths.
         """
         mgr = self.manager
-        slots = mgr.active_slots
-        if slots.size == 0:
-            raise ValueError("no active requests to decode")
-        qo = np.zeros(mgr.max_requests, np.int64)
-        qo[slots] = 1
-        num_tokens = bucket(slots.size, self.min_token_bucket)
+        slots, qo, num_tokens = self._decode_rows()
         mgr.reserve(slots, num_steps)
         plan = mgr.plan(qo, mgr.lengths + num_steps * qo, num_heads=self.cfg.num_attention_heads,
                         num_tokens=num_tokens)

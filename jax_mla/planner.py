@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-__all__ = ["MLAPlan", "PlanTarget", "plan_mla", "default_target", "SUPPORTED_PAGE_SIZES"]
+__all__ = ["MLAPlan", "PlanTarget", "plan_mla", "default_target", "bucket", "SUPPORTED_PAGE_SIZES"]
 
 # Columns of the work table (plan_layout.h: WorkCol).
 W_REQUEST, W_QSTART, W_QLEN, W_QEND_OFFSET, W_KV_START, W_KV_END, W_PARTIAL_ROW, W_SPLIT = range(8)
@@ -83,8 +83,8 @@ def default_target(device: Any = None) -> PlanTarget:
     return PlanTarget(num_workers=threads, units_per_worker=4.0, min_chunk=512, chunk_align=64)
 
 
-def _bucket(n: int, minimum: int) -> int:
-    """Smallest power of two >= max(n, minimum)."""
+def bucket(n: int, minimum: int = 1) -> int:
+    """Smallest power of two >= max(n, minimum): the shape buckets of per-step arrays."""
     n = max(int(n), minimum, 1)
     return 1 << (n - 1).bit_length()
 
@@ -267,9 +267,9 @@ def plan_mla(
     #   split tiles s: 2s + (n_t - s) <= slots  ->  s <= slots - n_t
     #   partial rows <= (longest tile) * slots
     max_qlen = min(max_q, q_tile) if n_t else 1
-    n_work = _bucket(max(n_t, slots), min_work_units)
-    n_merge = _bucket(min(n_t, max(slots - n_t, 0)), min_work_units)
-    n_partial = _bucket(max_qlen * slots if slots > n_t else 0, min_partial_rows)
+    n_work = bucket(max(n_t, slots), min_work_units)
+    n_merge = bucket(min(n_t, max(slots - n_t, 0)), min_work_units)
+    n_partial = bucket(max_qlen * slots if slots > n_t else 0, min_partial_rows)
     work = np.zeros((n_work, WORK_COLS), np.int32)
     merge = np.zeros((n_merge, MERGE_COLS), np.int32)
     w = work.T  # column views: one strided store per column

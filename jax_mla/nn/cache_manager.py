@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..planner import MLAPlan, PlanTarget, SUPPORTED_PAGE_SIZES, default_target, plan_mla
+from ..planner import MLAPlan, PlanTarget, SUPPORTED_PAGE_SIZES, bucket, default_target, plan_mla
 
 __all__ = ["OutOfPagesError", "OutOfSlotsError", "PagedCacheManager", "bucket"]
 
@@ -32,12 +32,6 @@ class OutOfPagesError(RuntimeError):
 
 class OutOfSlotsError(RuntimeError):
     """No free request slot; raised before anything changed."""
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """Smallest power of two >= max(n, minimum): the shape buckets of per-step arrays."""
-    n = max(int(n), int(minimum), 1)
-    return 1 << (n - 1).bit_length()
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -41,8 +41,9 @@ def check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_s
         raise ValueError(f"kpe pages/page_size {(p2, ps2)} disagree with ckv's {(p, ps)}")
     if ps not in SUPPORTED_PAGE_SIZES:
         raise ValueError(f"page_size={ps} (ckv.shape[1]) is not supported; use one of {SUPPORTED_PAGE_SIZES}")
-    if min(d_ckv, d_kpe, p, max_pages) < 1:
-        raise ValueError(f"empty dimension: d_ckv={d_ckv}, d_kpe={d_kpe}, pages={p}, max_pages={max_pages}")
+    if min(d_ckv, d_kpe, p, max_pages, r) < 1:
+        raise ValueError(f"empty dimension: d_ckv={d_ckv}, d_kpe={d_kpe}, pages={p}, max_pages={max_pages}, "
+                         f"page_table rows={r} (pad the batch with idle requests instead)")
     qd = _dtype(q_nope)
     if qd not in FLOAT_DTYPES:
         raise TypeError(f"q_nope dtype {qd} is not supported; use bfloat16, float16 or float32")

@@ -22,6 +22,7 @@
 #include <limits>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "jax_mla/plan_layout.h"
@@ -32,20 +33,21 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// The hot loops of a work unit use GCC / Clang vector types (Lanes below), so
-// they vectorize for whatever the target has. On x86-64 Linux with GCC the unit
-// kernel is also compiled for AVX2+FMA and AVX-512 and picked at load time;
-// elsewhere the portable build runs.
+// The hot loops of a work unit are register-tiled small matrix products over
+// GCC / Clang vector types (Vec<W> below), written once for any vector width W.
+// On x86-64 Linux with GCC the unit kernel is compiled three times, for
+// AVX-512 (W = 16), AVX2+FMA (W = 8) and baseline SSE2 (W = 4), and the loader
+// picks the best one the CPU runs (function multiversioning); elsewhere the
+// portable W = 4 build runs.
 #if !defined(__GNUC__) && !defined(__clang__)
 #error "jax_mla's CPU handler needs GCC or Clang (vector extensions)"
 #endif
 #if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__)
-#define JAX_MLA_MULTIVERSION \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define JAX_MLA_X86_MULTIVERSION 1
 #else
-#define JAX_MLA_MULTIVERSION
+#define JAX_MLA_X86_MULTIVERSION 0
 #endif
-// Inlined into each clone of the unit kernel, so they vectorize for its target.
+// Inlined into each version of the unit kernel, so they vectorize for its target.
 #define JAX_MLA_INLINE inline __attribute__((always_inline))
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -90,15 +92,16 @@ JAX_MLA_INLINE float F16ToFloat(uint16_t h) {
   const uint32_t sign = uint32_t{h & 0x8000u} << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
   const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) {  // inf / NaN
-    return BitsFloat(sign | 0x7f800000u | (mant << 13));
-  }
-  if (exp == 0) {  // zero / subnormal: mant * 2^-24, exact in float32
-    const float v = static_cast<float>(mant) * 5.9604644775390625e-8f;
-    return sign ? -v : v;
-  }
+  // Every case is computed and one is chosen: no branches, so the conversion
+  // loops vectorize (this runs once per cache element read).
   // Normal: re-bias the exponent from 15 to 127.
-  return BitsFloat(sign | ((exp + 112u) << 23) | (mant << 13));
+  const uint32_t normal = sign | ((exp + 112u) << 23) | (mant << 13);
+  const uint32_t inf_nan = sign | 0x7f800000u | (mant << 13);
+  // Zero / subnormal: mant * 2^-24, exact in float32 (and a normal float).
+  const uint32_t small = sign | FloatBits(static_cast<float>(static_cast<int32_t>(mant)) * 5.9604644775390625e-8f);
+  const uint32_t is_inf_nan = 0u - uint32_t{exp == 0x1f};  // all ones or zero
+  const uint32_t is_small = 0u - uint32_t{exp == 0};
+  return BitsFloat((inf_nan & is_inf_nan) | (small & is_small) | (normal & ~(is_inf_nan | is_small)));
 }
 
 JAX_MLA_INLINE uint16_t FloatToF16(float f) {
@@ -240,39 +243,219 @@ int64_t UnitKeys(const Unit& u) {
   return std::max<int64_t>(u.KeyEnd(u.q_len - 1) - u.kv_start, 0);
 }
 
+// ---- vectors -------------------------------------------------------------------
+
+// Vectors pass by value only between always-inline helpers of one target, so
+// GCC's note that their calling convention differs across targets is moot.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+// W floats as one value. GCC / Clang vector extensions lower it to the target's
+// registers; each multiversioned entry point below picks the W of its target.
+template <int W>
+struct VecOf {
+  typedef float type __attribute__((vector_size(W * sizeof(float))));
+  typedef int32_t mask __attribute__((vector_size(W * sizeof(int32_t))));
+};
+template <int W>
+using Vec = typename VecOf<W>::type;
+template <int W>
+using Mask = typename VecOf<W>::mask;  // lanes of all ones (true) or zeros
+
+template <int W>
+JAX_MLA_INLINE Vec<W> Load(const float* p) {
+  Vec<W> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+template <int W>
+JAX_MLA_INLINE void Store(float* p, const Vec<W>& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+template <int W>
+JAX_MLA_INLINE Vec<W> Splat(float x) {
+  return Vec<W>{} + x;
+}
+
+// mask ? a : b, lane by lane.
+template <int W>
+JAX_MLA_INLINE Vec<W> Select(const Mask<W>& mask, const Vec<W>& a, const Vec<W>& b) {
+  return (Vec<W>)((mask & (Mask<W>)a) | (~mask & (Mask<W>)b));
+}
+
+// Lane i of the result is lane kIndex[i] of x ++ y (0 <= kIndex < 2W).
+// __builtin_shufflevector is Clang's and only GCC >= 12's; __builtin_shuffle
+// is GCC's since 4.7.
+template <int W, int... kIndex>
+JAX_MLA_INLINE Vec<W> Shuffle(const Vec<W>& x, const Vec<W>& y) {
+  static_assert(sizeof...(kIndex) == W, "one index per lane");
+#if defined(__clang__)
+  return __builtin_shufflevector(x, y, kIndex...);
+#else
+  return __builtin_shuffle(x, y, Mask<W>{kIndex...});
+#endif
+}
+
+// Lane i of the result is lane (i + shift) % W of v.
+template <int W, int kShift, size_t... I>
+JAX_MLA_INLINE Vec<W> Rotate(const Vec<W>& v, std::index_sequence<I...>) {
+  return Shuffle<W, static_cast<int>((I + kShift) % W)...>(v, v);
+}
+
+// Sum / max of the lanes, folded in halves (a fixed order, whatever the data).
+template <int W, int kHalf = W / 2>
+JAX_MLA_INLINE float SumLanes(const Vec<W>& v) {
+  if constexpr (kHalf == 0) {
+    return v[0];
+  } else {
+    return SumLanes<W, kHalf / 2>(v + Rotate<W, kHalf>(v, std::make_index_sequence<W>{}));
+  }
+}
+
+template <int W, int kHalf = W / 2>
+JAX_MLA_INLINE float MaxLanes(const Vec<W>& v) {
+  if constexpr (kHalf == 0) {
+    return v[0];
+  } else {
+    const Vec<W> r = Rotate<W, kHalf>(v, std::make_index_sequence<W>{});
+    return MaxLanes<W, kHalf / 2>(Select<W>(v > r, v, r));
+  }
+}
+
+// Lane i of x.y's fold at block size b: lanes are cut into blocks of b; even
+// blocks come from x, odd ones from y, and each adds two neighbouring blocks of
+// its source. One step halves the lanes each input vector occupies.
+constexpr int FoldLane(int w, int b, int i, bool upper) {
+  const int block = i / b, pos = i % b;
+  return (block % 2 ? w : 0) + (block / 2) * 2 * b + pos + (upper ? b : 0);
+}
+
+template <int W, int B, size_t... I>
+JAX_MLA_INLINE Vec<W> FoldPair(const Vec<W>& x, const Vec<W>& y, std::index_sequence<I...>) {
+  return Shuffle<W, FoldLane(W, B, static_cast<int>(I), false)...>(x, y) +
+         Shuffle<W, FoldLane(W, B, static_cast<int>(I), true)...>(x, y);
+}
+
+// Reverses the low log2(W) bits of i.
+constexpr int BitReverse(int w, int i) {
+  int r = 0;
+  for (int b = 1; b < w; b <<= 1) r = (r << 1) | ((i & b) ? 1 : 0);
+  return r;
+}
+
+// v[0..W) -> one vector whose lane i is the lane sum of v[i]: W sums for
+// W - 1 adds (plus shuffles) instead of W separate folds. The pairwise folds
+// leave the sums in bit-reversed order, so the inputs go in bit-reversed.
+template <int W, int B = W / 2>
+JAX_MLA_INLINE void FoldLevels(Vec<W>* v, int count) {
+  if constexpr (B >= 1) {
+    for (int k = 0; k < count / 2; ++k) {
+      v[k] = FoldPair<W, B>(v[2 * k], v[2 * k + 1], std::make_index_sequence<W>{});
+    }
+    FoldLevels<W, B / 2>(v, count / 2);
+  }
+}
+
+template <int W>
+JAX_MLA_INLINE Vec<W> SumEach(const Vec<W>* acc) {
+  Vec<W> v[W];
+  for (int k = 0; k < W; ++k) v[k] = acc[BitReverse(W, k)];
+  FoldLevels<W>(v, W);
+  return v[0];
+}
+
+// exp(x) in float32, a few ulp: exp(x) = 2^n * exp(r), n = round(x / ln 2),
+// |r| <= ln(2) / 2, exp(r) by its Taylor series to r^7 (truncation < 1e-8).
+// x below -87 gives 0 (exp(-inf) = 0, and no subnormals), NaN stays NaN.
+template <int W>
+JAX_MLA_INLINE Vec<W> Exp(const Vec<W>& x) {
+  const Vec<W> lo = Splat<W>(-87.0f), hi = Splat<W>(88.0f);
+  Vec<W> xc = Select<W>(x > lo, x, lo);
+  xc = Select<W>(xc < hi, xc, hi);
+  // Adding 1.5 * 2^23 rounds x / ln 2 to an integer n held in the low mantissa bits.
+  const Vec<W> magic = Splat<W>(12582912.0f);
+  const Vec<W> t = xc * 1.44269504088896341f + magic;
+  const Vec<W> n = t - magic;
+  const Mask<W> n_int = (Mask<W>)t - (Mask<W>)magic;
+  // ln 2 in two parts; n * 0.693359375 is exact.
+  Vec<W> r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440054690583e-4f;
+  Vec<W> p = Splat<W>(1.0f / 5040.0f);
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const Vec<W> two_n = (Vec<W>)((n_int + 127) << 23);
+  const Vec<W> e = p * two_n;
+  const Vec<W> zero = Vec<W>{};
+  return Select<W>(x != x, x, Select<W>(x > lo, e, zero));
+}
+
 // ---- one work unit -----------------------------------------------------------
 
-// Heads of one token handled together: each key row loaded serves all of them.
-constexpr int kHeadGroup = 4;
-// Floats per vector value (head dims run along the lanes).
-constexpr int64_t kLanes = 16;
+// Rows, columns and key slots of the scratch are padded to this many floats
+// (the widest W) with zeros, so the vector loops have no tails: a zero column
+// adds nothing to a dot product, and padding keys are masked.
+constexpr int64_t kPad = 16;
+static_assert(kKeyBlock % kPad == 0, "key slots are a whole number of vectors");
 
-// Per-thread buffers, sized once per call for the largest unit.
-struct Scratch {
-  std::vector<float> keys;     // [kKeyBlock, Dc]  ckv rows: the values
-  std::vector<float> kpe_rows; // [kKeyBlock, Dr]
-  std::vector<uint8_t> key_ok; // [kKeyBlock] page id was valid
-  std::vector<float> probs;    // [kHeadGroup, kKeyBlock] scores, then probabilities
-  std::vector<float> q_nope;   // [rows, Dc]
-  std::vector<float> q_pe;     // [rows, Dr]
-  std::vector<float> acc;      // [rows, Dc]
-  std::vector<float> row_max;  // [rows]
-  std::vector<float> row_sum;  // [rows]
+inline int64_t Padded(int64_t n) { return (n + kPad - 1) / kPad * kPad; }
 
-  Scratch(const Problem& pb, int64_t max_rows)
-      : keys(kKeyBlock * pb.d_ckv),
-        kpe_rows(kKeyBlock * pb.d_kpe),
-        key_ok(kKeyBlock),
-        probs(kHeadGroup * kKeyBlock),
-        q_nope(max_rows * pb.d_ckv),
-        q_pe(max_rows * pb.d_kpe),
-        acc(max_rows * pb.d_ckv),
-        row_max(max_rows),
-        row_sum(max_rows) {}
+// A float array whose data starts on a cache line.
+class AlignedFloats {
+ public:
+  explicit AlignedFloats(int64_t n) : buf_(static_cast<size_t>(n + 16), 0.0f) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(buf_.data());
+    data_ = buf_.data() + ((64 - a % 64) % 64) / sizeof(float);
+  }
+  float* data() { return data_; }
+  const float* data() const { return data_; }
+
+ private:
+  std::vector<float> buf_;
+  float* data_;
 };
 
-// Converts keys [k0, k0 + n) of `request` into the scratch layouts. Keys on an
-// invalid page become zero rows marked not ok.
+// Per-thread buffers, sized once per call for the largest unit. Row r of a
+// unit is local token r / H, head r % H.
+struct Scratch {
+  int64_t dcp, drp;            // padded d_ckv, d_kpe: row strides
+  AlignedFloats ckv_keys;      // [kKeyBlock, dcp]  the block's keys, also its values
+  AlignedFloats kpe_keys;      // [kKeyBlock, drp]
+  std::vector<int32_t> key_ok; // [kKeyBlock] -1: page id valid, 0: not (a lane mask)
+  AlignedFloats q_nope;        // [rows, dcp]
+  AlignedFloats q_pe;          // [rows, drp]
+  AlignedFloats acc;           // [rows, dcp]  unnormalised output
+  AlignedFloats probs;         // [rows, kKeyBlock] scores, then probabilities
+  std::vector<float> row_max;  // [rows] running max of the scaled scores
+  std::vector<float> row_sum;  // [rows] running sum of exp(score - row_max)
+  std::vector<float> alpha;    // [rows] this block's rescale of acc
+  std::vector<int64_t> token_keys;  // [q_len] keys of the block each token sees
+
+  Scratch(const Problem& pb, int64_t max_rows, int64_t max_q_len)
+      : dcp(Padded(pb.d_ckv)),
+        drp(Padded(pb.d_kpe)),
+        ckv_keys(kKeyBlock * dcp),
+        kpe_keys(kKeyBlock * drp),
+        key_ok(kKeyBlock, 0),
+        q_nope(max_rows * dcp),
+        q_pe(max_rows * drp),
+        acc(max_rows * dcp),
+        probs(max_rows * kKeyBlock),
+        row_max(max_rows),
+        row_sum(max_rows),
+        alpha(max_rows),
+        token_keys(max_q_len) {}
+};
+
+// Converts keys [k0, k0 + n) of `request` into the scratch rows. Keys on an
+// invalid page become zero rows marked not ok. Padding columns stay zero.
 JAX_MLA_INLINE void LoadKeyBlock(const Problem& pb, int64_t request, int64_t k0, int64_t n,
                                  Scratch& sc) {
   const int64_t dc = pb.d_ckv, dr = pb.d_kpe;
@@ -280,14 +463,14 @@ JAX_MLA_INLINE void LoadKeyBlock(const Problem& pb, int64_t request, int64_t k0,
   for (int64_t j = 0; j < n; ++j) {
     const int64_t k = k0 + j;  // < capacity, so the page slot is in the table
     const int64_t page = pages[k / pb.page_size];
-    float* ckv_row = sc.keys.data() + j * dc;
-    float* kpe_row = sc.kpe_rows.data() + j * dr;
+    float* ckv_row = sc.ckv_keys.data() + j * sc.dcp;
+    float* kpe_row = sc.kpe_keys.data() + j * sc.drp;
     if (page < 0 || page >= pb.num_pages) {
       sc.key_ok[j] = 0;
       std::fill(ckv_row, ckv_row + dc, 0.0f);
       std::fill(kpe_row, kpe_row + dr, 0.0f);
     } else {
-      sc.key_ok[j] = 1;
+      sc.key_ok[j] = -1;
       const int64_t slot = page * pb.page_size + k % pb.page_size;
       ToFloat(pb.elem, pb.ckv + slot * dc * pb.elem_bytes, dc, ckv_row);
       ToFloat(pb.elem, pb.kpe + slot * dr * pb.elem_bytes, dr, kpe_row);
@@ -295,146 +478,197 @@ JAX_MLA_INLINE void LoadKeyBlock(const Problem& pb, int64_t request, int64_t k0,
   }
 }
 
-// kLanes floats as one value: GCC / Clang vector extensions lower it to
-// whatever the target has (4 SSE, 2 AVX or 1 AVX-512 register).
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+// Register tiles per vector width: scores are R rows x J keys of accumulators
+// along the head dim (R * J a multiple of W, so they fold W at a time); the
+// value product is R rows x C vectors of output columns. Sized to the target's
+// registers: 32 zmm, 16 ymm, 16 xmm.
+template <int W>
+struct Tiles;
+template <>
+struct Tiles<16> {
+  static constexpr int kScoreRows = 4, kScoreKeys = 4, kValueRows = 4, kValueCols = 4;
+};
+template <>
+struct Tiles<8> {
+  static constexpr int kScoreRows = 2, kScoreKeys = 4, kValueRows = 4, kValueCols = 2;
+};
+template <>
+struct Tiles<4> {
+  static constexpr int kScoreRows = 2, kScoreKeys = 2, kValueRows = 4, kValueCols = 2;
+};
 
-JAX_MLA_INLINE void LoadLanes(Lanes& v, const float* p) { std::memcpy(&v, p, sizeof(Lanes)); }
-JAX_MLA_INLINE void StoreLanes(float* p, const Lanes& v) { std::memcpy(p, &v, sizeof(Lanes)); }
-
-// Sum of the lanes, as a tree: halves added as vectors, then four scalars.
-typedef float Lanes8 __attribute__((vector_size(8 * sizeof(float))));
-typedef float Lanes4 __attribute__((vector_size(4 * sizeof(float))));
-static_assert(kLanes == 16, "SumLanes folds 16 lanes");
-
-JAX_MLA_INLINE float SumLanes(const Lanes& v) {
-  Lanes8 lo8, hi8;
-  std::memcpy(&lo8, &v, sizeof(Lanes8));
-  std::memcpy(&hi8, reinterpret_cast<const char*>(&v) + sizeof(Lanes8), sizeof(Lanes8));
-  const Lanes8 s8 = lo8 + hi8;
-  Lanes4 lo4, hi4;
-  std::memcpy(&lo4, &s8, sizeof(Lanes4));
-  std::memcpy(&hi4, reinterpret_cast<const char*>(&s8) + sizeof(Lanes4), sizeof(Lanes4));
-  const Lanes4 s4 = lo4 + hi4;
-  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+// acc[r][j] += lanes of q[r] * k[j] over `dims` (a multiple of W).
+template <int W, int R, int J>
+JAX_MLA_INLINE void DotTile(const float* q, int64_t q_stride, const float* k, int64_t k_stride,
+                            int64_t dims, Vec<W> (&acc)[R * J]) {
+  for (int64_t d = 0; d < dims; d += W) {
+    Vec<W> kv[J];
+    for (int j = 0; j < J; ++j) kv[j] = Load<W>(k + j * k_stride + d);
+    for (int r = 0; r < R; ++r) {
+      const Vec<W> qv = Load<W>(q + r * q_stride + d);
+      for (int j = 0; j < J; ++j) acc[r * J + j] += qv * kv[j];
+    }
+  }
 }
 
-// s[g, j] (+)= q[g] . k[j] for G query rows (stride q_stride) and key rows
-// j < n of k [n, dims]. Lanes run over dims and fold once per product; each
-// key row is loaded once for the G rows.
-template <int G>
-JAX_MLA_INLINE void GroupScores(const float* q, int64_t q_stride, const float* k, int64_t dims,
-                                int64_t n, bool accumulate, float* s) {
+// Raw scores of query rows [r0, r0 + R) against block keys [j0, j0 + J):
+// s[r, j] = q_nope[r] . ckv[j] + q_pe[r] . kpe[j].
+template <int W, int R, int J>
+JAX_MLA_INLINE void ScoreTile(Scratch& sc, int64_t r0, int64_t j0) {
+  Vec<W> acc[R * J] = {};
+  DotTile<W, R, J>(sc.q_nope.data() + r0 * sc.dcp, sc.dcp, sc.ckv_keys.data() + j0 * sc.dcp, sc.dcp,
+                   sc.dcp, acc);
+  DotTile<W, R, J>(sc.q_pe.data() + r0 * sc.drp, sc.drp, sc.kpe_keys.data() + j0 * sc.drp, sc.drp,
+                   sc.drp, acc);
+  float sums[R * J];
+  if constexpr ((R * J) % W == 0) {
+    for (int g = 0; g < R * J; g += W) Store<W>(sums + g, SumEach<W>(acc + g));
+  } else {
+    for (int a = 0; a < R * J; ++a) sums[a] = SumLanes<W>(acc[a]);
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(sc.probs.data() + (r0 + r) * kKeyBlock + j0, sums + r * J, J * sizeof(float));
+  }
+}
+
+// acc[r0 + r, c0 + cols) = alpha[r] * acc + sum_{j < n} p[r, j] * ckv[j, c0 + cols)
+// for R rows and C vectors of columns.
+template <int W, int R, int C>
+JAX_MLA_INLINE void ValueTile(Scratch& sc, int64_t r0, int64_t c0, int64_t n) {
+  const int64_t dcp = sc.dcp;
+  float* out = sc.acc.data() + r0 * dcp + c0;
+  const float* p = sc.probs.data() + r0 * kKeyBlock;
+  const float* v = sc.ckv_keys.data() + c0;
+  Vec<W> a[R][C];
+  for (int r = 0; r < R; ++r) {
+    const float scale = sc.alpha[r0 + r];
+    for (int c = 0; c < C; ++c) a[r][c] = Load<W>(out + r * dcp + c * W) * scale;
+  }
   for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + j * dims;
-    Lanes a[G];
-    for (int g = 0; g < G; ++g) a[g] = Lanes{};
-    int64_t d = 0;
-    for (; d + kLanes <= dims; d += kLanes) {
-      Lanes kv;
-      LoadLanes(kv, kj + d);
-      for (int g = 0; g < G; ++g) {
-        Lanes qv;
-        LoadLanes(qv, q + g * q_stride + d);
-        a[g] += qv * kv;
-      }
+    Vec<W> vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = Load<W>(v + j * dcp + c * W);
+    for (int r = 0; r < R; ++r) {
+      const float pr = p[r * kKeyBlock + j];
+      for (int c = 0; c < C; ++c) a[r][c] += pr * vv[c];
     }
-    for (int g = 0; g < G; ++g) {
-      float t = SumLanes(a[g]);
-      for (int64_t e = d; e < dims; ++e) t += q[g * q_stride + e] * kj[e];
-      s[g * kKeyBlock + j] = accumulate ? s[g * kKeyBlock + j] + t : t;
-    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) Store<W>(out + r * dcp + c * W, a[r][c]);
   }
 }
 
-// acc[g, :] += sum_{j < n} p[g, j] * v[j, :] for G rows (stride dc).
-template <int G>
-JAX_MLA_INLINE void GroupValues(const float* p, const float* v, int64_t n, int64_t dc, float* acc) {
-  int64_t c0 = 0;
-  for (; c0 + kLanes <= dc; c0 += kLanes) {
-    Lanes a[G];
-    for (int g = 0; g < G; ++g) LoadLanes(a[g], acc + g * dc + c0);
-    for (int64_t j = 0; j < n; ++j) {
-      Lanes vr;
-      LoadLanes(vr, v + j * dc + c0);
-      for (int g = 0; g < G; ++g) a[g] += p[g * kKeyBlock + j] * vr;
-    }
-    for (int g = 0; g < G; ++g) StoreLanes(acc + g * dc + c0, a[g]);
+// Online-softmax step of row r over the block's first `n` keys (the keys its
+// token sees; key slots [n, nb) and bad pages are masked): turns the row's
+// scores into probabilities relative to the new running max, and leaves the
+// factor that rescales the row's accumulator in alpha[r].
+template <int W>
+JAX_MLA_INLINE void SoftmaxRow(const Problem& pb, Scratch& sc, int64_t r, int64_t n, int64_t nb) {
+  float* s = sc.probs.data() + r * kKeyBlock;
+  const int64_t slots = (nb + W - 1) / W * W;
+  Mask<W> lane;
+  for (int i = 0; i < W; ++i) lane[i] = i;
+  const Vec<W> neg_inf = Splat<W>(kNegInf);
+  Vec<W> vmax = neg_inf;
+  for (int64_t j = 0; j < slots; j += W) {
+    Mask<W> ok;
+    std::memcpy(&ok, sc.key_ok.data() + j, sizeof(ok));
+    ok &= (lane + static_cast<int32_t>(j)) < (Mask<W>{} + static_cast<int32_t>(n));
+    const Vec<W> x = Select<W>(ok, Load<W>(s + j) * pb.sm_scale, neg_inf);
+    Store<W>(s + j, x);
+    vmax = Select<W>(x > vmax, x, vmax);
   }
-  for (; c0 < dc; ++c0) {  // head dims that are not a multiple of kLanes
-    for (int g = 0; g < G; ++g) {
-      float a = acc[g * dc + c0];
-      for (int64_t j = 0; j < n; ++j) a += p[g * kKeyBlock + j] * v[j * dc + c0];
-      acc[g * dc + c0] = a;
-    }
+  const float block_max = MaxLanes<W>(vmax);
+  if (!(block_max > kNegInf)) {  // no key of the block counts for this row
+    sc.alpha[r] = 1.0f;
+    std::fill(s, s + slots, 0.0f);
+    return;
   }
+  float& row_max = sc.row_max[r];
+  float alpha = 1.0f;
+  if (block_max > row_max) {
+    alpha = std::exp(row_max - block_max);  // 0 on the row's first keys
+    row_max = block_max;
+  }
+  Vec<W> vsum = Vec<W>{};
+  for (int64_t j = 0; j < slots; j += W) {
+    const Vec<W> e = Exp<W>(Load<W>(s + j) - row_max);  // masked: exp(-inf) = 0
+    Store<W>(s + j, e);
+    vsum += e;
+  }
+  sc.row_sum[r] = sc.row_sum[r] * alpha + SumLanes<W>(vsum);
+  sc.alpha[r] = alpha;
 }
 
-// Online-softmax update of G consecutive query rows (heads of one token, first
-// row r) with the first n keys of the loaded block.
-template <int G>
-JAX_MLA_INLINE void UpdateRows(const Problem& pb, int64_t r, int64_t n, Scratch& sc) {
-  const int64_t dc = pb.d_ckv, dr = pb.d_kpe;
-  float* s = sc.probs.data();
-  GroupScores<G>(sc.q_nope.data() + r * dc, dc, sc.keys.data(), dc, n, false, s);
-  GroupScores<G>(sc.q_pe.data() + r * dr, dr, sc.kpe_rows.data(), dr, n, true, s);
-  for (int g = 0; g < G; ++g) {
-    float* sg = s + g * kKeyBlock;
-    float block_max = kNegInf;
-    for (int64_t j = 0; j < n; ++j) {
-      sg[j] = sc.key_ok[j] ? sg[j] * pb.sm_scale : kNegInf;
-      block_max = std::max(block_max, sg[j]);
-    }
-    float& row_max = sc.row_max[r + g];
-    float& row_sum = sc.row_sum[r + g];
-    if (block_max == kNegInf) {  // every key of the block sits on a bad page
-      std::fill(sg, sg + n, 0.0f);
-      continue;
-    }
-    if (block_max > row_max) {
-      // exp(-inf) = 0 clears the (zero) accumulator on the first block.
-      const float alpha = std::exp(row_max - block_max);
-      row_sum *= alpha;
-      float* acc = sc.acc.data() + (r + g) * dc;
-      for (int64_t c = 0; c < dc; ++c) acc[c] *= alpha;
-      row_max = block_max;
-    }
-    float sum = 0.0f;
-    for (int64_t j = 0; j < n; ++j) {
-      sg[j] = std::exp(sg[j] - row_max);  // bad-page keys: exp(-inf) = 0
-      sum += sg[j];
-    }
-    row_sum += sum;
-  }
-  // Keys on bad pages are zero rows with probability 0: they add nothing.
-  GroupValues<G>(s, sc.keys.data(), n, dc, sc.acc.data() + r * dc);
+// Keys of the current block that row r sees.
+JAX_MLA_INLINE int64_t RowKeys(const Problem& pb, const Scratch& sc, int64_t r) {
+  return sc.token_keys[r / pb.num_heads];
 }
 
-JAX_MLA_MULTIVERSION
-void RunUnit(const Problem& pb, const Unit& u, Scratch& sc) {
-  const int64_t h_n = pb.num_heads, dc = pb.d_ckv, dr = pb.d_kpe;
+template <int W>
+JAX_MLA_INLINE void RunUnitW(const Problem& pb, const Unit& u, Scratch& sc) {
+  using T = Tiles<W>;
+  constexpr int kSR = T::kScoreRows, kSJ = T::kScoreKeys, kVR = T::kValueRows, kVC = T::kValueCols;
+  static_assert(kKeyBlock % kSJ == 0, "score tiles never run past the key slots");
+  const int64_t h_n = pb.num_heads, dc = pb.d_ckv, dr = pb.d_kpe, dcp = sc.dcp;
   const int64_t rows = u.q_len * h_n;  // row = local token * H + head
-  // The tile's query rows are contiguous in q_nope / q_pe.
-  ToFloat(pb.elem, pb.q_nope + u.q_start * h_n * dc * pb.elem_bytes, rows * dc, sc.q_nope.data());
-  ToFloat(pb.elem, pb.q_pe + u.q_start * h_n * dr * pb.elem_bytes, rows * dr, sc.q_pe.data());
-  std::fill(sc.acc.begin(), sc.acc.begin() + rows * dc, 0.0f);
+  // The tile's query rows are contiguous in q_nope / q_pe; scratch rows are padded.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t src = u.q_start * h_n + r;
+    ToFloat(pb.elem, pb.q_nope + src * dc * pb.elem_bytes, dc, sc.q_nope.data() + r * dcp);
+    ToFloat(pb.elem, pb.q_pe + src * dr * pb.elem_bytes, dr, sc.q_pe.data() + r * sc.drp);
+  }
+  std::fill(sc.acc.data(), sc.acc.data() + rows * dcp, 0.0f);
   std::fill(sc.row_max.begin(), sc.row_max.begin() + rows, kNegInf);
   std::fill(sc.row_sum.begin(), sc.row_sum.begin() + rows, 0.0f);
 
   const int64_t key_end = u.request < 0 ? u.kv_start : u.KeyEnd(u.q_len - 1);
   for (int64_t k0 = u.kv_start; k0 < key_end; k0 += kKeyBlock) {
-    const int64_t block = std::min(kKeyBlock, key_end - k0);
-    LoadKeyBlock(pb, u.request, k0, block, sc);
+    const int64_t nb = std::min(kKeyBlock, key_end - k0);
+    LoadKeyBlock(pb, u.request, k0, nb, sc);
+    // Causal: earlier tokens see fewer keys, so within a run of rows the last
+    // row sees the most.
     for (int64_t i = 0; i < u.q_len; ++i) {
-      const int64_t n = std::clamp<int64_t>(u.KeyEnd(i) - k0, 0, block);
-      if (n == 0) continue;  // earlier tokens see fewer keys (causal)
-      int64_t h = 0;
-      for (; h + kHeadGroup <= h_n; h += kHeadGroup) UpdateRows<kHeadGroup>(pb, i * h_n + h, n, sc);
-      switch (h_n - h) {
-        case 3: UpdateRows<3>(pb, i * h_n + h, n, sc); break;
-        case 2: UpdateRows<2>(pb, i * h_n + h, n, sc); break;
-        case 1: UpdateRows<1>(pb, i * h_n + h, n, sc); break;
-        default: break;
+      sc.token_keys[i] = std::clamp<int64_t>(u.KeyEnd(i) - k0, 0, nb);
+    }
+
+    // Scores S[rows, keys] in register tiles. A tile's keys run to its last
+    // row's count rounded up to whole tiles; the extra slots are masked below.
+    int64_t r0 = 0;
+    for (; r0 + kSR <= rows; r0 += kSR) {
+      const int64_t n = RowKeys(pb, sc, r0 + kSR - 1);
+      for (int64_t j0 = 0; j0 < n; j0 += kSJ) ScoreTile<W, kSR, kSJ>(sc, r0, j0);
+    }
+    for (; r0 < rows; ++r0) {
+      const int64_t n = RowKeys(pb, sc, r0);
+      for (int64_t j0 = 0; j0 < n; j0 += kSJ) ScoreTile<W, 1, kSJ>(sc, r0, j0);
+    }
+
+    for (int64_t r = 0; r < rows; ++r) SoftmaxRow<W>(pb, sc, r, RowKeys(pb, sc, r), nb);
+
+    // acc = alpha * acc + P[rows, keys] . ckv[keys, :]. Columns outside: one
+    // column strip of the block's values stays in L1 for all row tiles. Rows
+    // that see no key of the block have alpha 1 and zero probabilities.
+    int64_t c0 = 0;
+    for (; c0 + kVC * W <= dcp; c0 += kVC * W) {
+      int64_t v0 = 0;
+      for (; v0 + kVR <= rows; v0 += kVR) {
+        const int64_t n = RowKeys(pb, sc, v0 + kVR - 1);
+        if (n > 0) ValueTile<W, kVR, kVC>(sc, v0, c0, n);
+      }
+      for (; v0 < rows; ++v0) {
+        const int64_t n = RowKeys(pb, sc, v0);
+        if (n > 0) ValueTile<W, 1, kVC>(sc, v0, c0, n);
+      }
+    }
+    for (; c0 < dcp; c0 += W) {
+      int64_t v0 = 0;
+      for (; v0 + kVR <= rows; v0 += kVR) {
+        const int64_t n = RowKeys(pb, sc, v0 + kVR - 1);
+        if (n > 0) ValueTile<W, kVR, 1>(sc, v0, c0, n);
+      }
+      for (; v0 < rows; ++v0) {
+        const int64_t n = RowKeys(pb, sc, v0);
+        if (n > 0) ValueTile<W, 1, 1>(sc, v0, c0, n);
       }
     }
   }
@@ -445,7 +679,7 @@ void RunUnit(const Problem& pb, const Unit& u, Scratch& sc) {
     const bool any = sum > 0.0f;
     const float inv = any ? 1.0f / sum : 0.0f;  // no key: zeros, never 0/0
     const float lse = any ? sc.row_max[r] + std::log(sum) : kNegInf;
-    const float* acc = sc.acc.data() + r * dc;
+    const float* acc = sc.acc.data() + r * dcp;
     if (u.partial_row < 0) {
       const int64_t o = u.q_start * h_n + r;
       FromFloat(pb.elem, acc, inv, dc, pb.out + o * dc * pb.elem_bytes);
@@ -458,6 +692,23 @@ void RunUnit(const Problem& pb, const Unit& u, Scratch& sc) {
     }
   }
 }
+
+// One entry point per target; the loader picks the best the CPU runs.
+#if JAX_MLA_X86_MULTIVERSION
+__attribute__((target("arch=x86-64-v4"))) void RunUnit(const Problem& pb, const Unit& u,
+                                                        Scratch& sc) {
+  RunUnitW<16>(pb, u, sc);
+}
+__attribute__((target("arch=x86-64-v3"))) void RunUnit(const Problem& pb, const Unit& u,
+                                                        Scratch& sc) {
+  RunUnitW<8>(pb, u, sc);
+}
+__attribute__((target("default"))) void RunUnit(const Problem& pb, const Unit& u, Scratch& sc) {
+  RunUnitW<4>(pb, u, sc);
+}
+#else
+void RunUnit(const Problem& pb, const Unit& u, Scratch& sc) { RunUnitW<4>(pb, u, sc); }
+#endif
 
 // ---- merging split tiles -----------------------------------------------------
 
@@ -664,7 +915,7 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
   const int unit_threads = ThreadsFor(static_cast<int64_t>(units.size()), macs);
   std::vector<Scratch> scratch;
   scratch.reserve(unit_threads);
-  for (int t = 0; t < unit_threads; ++t) scratch.emplace_back(pb, max_q_len * pb.num_heads);
+  for (int t = 0; t < unit_threads; ++t) scratch.emplace_back(pb, max_q_len * pb.num_heads, max_q_len);
   ParallelFor(static_cast<int64_t>(units.size()), unit_threads,
               [&](int64_t i, int tid) { RunUnit(pb, units[i], scratch[tid]); });
 

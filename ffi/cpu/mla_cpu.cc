@@ -14,12 +14,15 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -761,31 +764,75 @@ int MaxThreads() {
   return std::clamp<int>(hw == 0 ? 1 : static_cast<int>(hw), 1, kMaxThreads);
 }
 
-int ThreadsFor(int64_t tasks, int64_t macs) {
+int ThreadsFor(int64_t tasks, int64_t macs, int available) {
   const int64_t by_work = std::max<int64_t>(1, macs / kMinMacsPerThread);
-  return static_cast<int>(std::max<int64_t>(1, std::min({int64_t{MaxThreads()}, tasks, by_work})));
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min({int64_t{MaxThreads()}, int64_t{available}, tasks, by_work})));
 }
+
+// Threads to use: XLA's intra-op pool when the runtime gives us one (no thread
+// creation per call, and XLA's own threading settings apply), else our own.
+int AvailableThreads(ffi::ThreadPool& pool) {
+  const int64_t n = pool.num_threads();
+  return n > 0 ? static_cast<int>(std::min<int64_t>(n, kMaxThreads)) : MaxThreads();
+}
+
+// State shared with helper tasks. A helper that starts after the caller has
+// finished (the pool was busy) finds `closed` set and leaves without touching
+// the caller's stack; the caller waits only for helpers that got in before.
+struct ForState {
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  std::condition_variable cv;
+  int running = 0;
+  int next_tid = 1;
+  bool closed = false;
+};
 
 // Runs body(task, thread) for task in [0, tasks) on up to `threads` threads,
 // the caller included. Tasks are handed out one at a time in order: the planner
-// sorts units longest first, so the stragglers are short. If a thread cannot be
-// started the others simply take its share.
+// sorts units longest first, so the stragglers are short. Helpers that never get
+// to run (busy pool, thread start failure) simply leave their share to others, so
+// this cannot deadlock even when the caller is itself a pool thread.
 template <typename Body>
-void ParallelFor(int64_t tasks, int threads, const Body& body) {
-  std::atomic<int64_t> next{0};
-  auto worker = [&](int tid) {
-    for (int64_t t = next.fetch_add(1); t < tasks; t = next.fetch_add(1)) body(t, tid);
+void ParallelFor(ffi::ThreadPool& pool, int64_t tasks, int threads, const Body& body) {
+  auto st = std::make_shared<ForState>();
+  auto drain = [&body, tasks](ForState& s, int tid) {
+    for (int64_t t = s.next.fetch_add(1); t < tasks; t = s.next.fetch_add(1)) body(t, tid);
   };
-  std::vector<std::thread> pool;
-  for (int tid = 1; tid < threads; ++tid) {
-    try {
-      pool.emplace_back(worker, tid);
-    } catch (const std::exception&) {
-      break;
+  auto helper = [st, &drain, threads]() {
+    int tid;
+    {
+      std::lock_guard<std::mutex> lock(st->mu);
+      if (st->closed || st->next_tid >= threads) return;
+      tid = st->next_tid++;
+      ++st->running;
+    }
+    drain(*st, tid);
+    std::lock_guard<std::mutex> lock(st->mu);
+    if (--st->running == 0) st->cv.notify_all();
+  };
+  std::vector<std::thread> own;
+  const bool use_pool = pool.num_threads() > 0;
+  for (int i = 1; i < threads; ++i) {
+    if (use_pool) {
+      auto task = helper;  // Schedule takes ownership of a copy
+      pool.Schedule(std::move(task));
+    } else {
+      try {
+        own.emplace_back(helper);
+      } catch (const std::exception&) {
+        break;
+      }
     }
   }
-  worker(0);
-  for (std::thread& t : pool) t.join();
+  drain(*st, 0);
+  {
+    std::unique_lock<std::mutex> lock(st->mu);
+    st->closed = true;
+    st->cv.wait(lock, [&] { return st->running == 0; });
+  }
+  for (std::thread& t : own) t.join();
 }
 
 // ---- the handler -----------------------------------------------------------------
@@ -808,7 +855,7 @@ ffi::Error Mismatch(const std::string& what) {
   return ffi::Error::InvalidArgument("jax_mla paged attention (cpu): " + what);
 }
 
-ffi::Error PagedAttentionImpl(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv,
+ffi::Error PagedAttentionImpl(ffi::ThreadPool& pool, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv,
                               ffi::AnyBuffer kpe, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> work,
                               ffi::Buffer<ffi::S32> merge, float sm_scale,
@@ -912,11 +959,12 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
     macs += u.q_len * pb.num_heads * (UnitKeys(u) * (2 * pb.d_ckv + pb.d_kpe) + pb.d_ckv);
   }
 
-  const int unit_threads = ThreadsFor(static_cast<int64_t>(units.size()), macs);
+  const int available = AvailableThreads(pool);
+  const int unit_threads = ThreadsFor(static_cast<int64_t>(units.size()), macs, available);
   std::vector<Scratch> scratch;
   scratch.reserve(unit_threads);
   for (int t = 0; t < unit_threads; ++t) scratch.emplace_back(pb, max_q_len * pb.num_heads, max_q_len);
-  ParallelFor(static_cast<int64_t>(units.size()), unit_threads,
+  ParallelFor(pool, static_cast<int64_t>(units.size()), unit_threads,
               [&](int64_t i, int tid) { RunUnit(pb, units[i], scratch[tid]); });
 
   // Merges read what the units wrote: only after the join above.
@@ -926,15 +974,15 @@ ffi::Error PagedAttentionImpl(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::A
     merge_macs += std::max(row[kMergeQLen], 0) * int64_t{std::max(row[kMergeNumSplits], 0)} *
                   pb.num_heads * pb.d_ckv;
   }
-  const int merge_threads = ThreadsFor(pb.num_merge, merge_macs);
+  const int merge_threads = ThreadsFor(pb.num_merge, merge_macs, available);
   std::vector<std::vector<float>> merge_acc(merge_threads, std::vector<float>(pb.d_ckv));
-  ParallelFor(pb.num_merge, merge_threads,
+  ParallelFor(pool, pb.num_merge, merge_threads,
               [&](int64_t m, int tid) { RunMerge(pb, m, merge_acc[tid]); });
   return ffi::Error::Success();
 }
 
 // No C++ exception may cross into XLA.
-ffi::Error PagedAttentionCpu(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv,
+ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv,
                              ffi::AnyBuffer kpe, ffi::Buffer<ffi::S32> page_table,
                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> work,
                              ffi::Buffer<ffi::S32> merge, float sm_scale,
@@ -942,7 +990,7 @@ ffi::Error PagedAttentionCpu(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::An
                              ffi::Result<ffi::Buffer<ffi::F32>> partial_o,
                              ffi::Result<ffi::Buffer<ffi::F32>> partial_lse) {
   try {
-    return PagedAttentionImpl(q_nope, q_pe, ckv, kpe, page_table, kv_lens, work, merge, sm_scale, out,
+    return PagedAttentionImpl(pool, q_nope, q_pe, ckv, kpe, page_table, kv_lens, work, merge, sm_scale, out,
                               lse, partial_o, partial_lse);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("jax_mla paged attention (cpu): ") + e.what());
@@ -954,6 +1002,7 @@ ffi::Error PagedAttentionCpu(ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::An
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaPagedAttentionCpu, jax_mla::PagedAttentionCpu,
                               xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()                     // XLA's intra-op pool
                                   .Arg<xla::ffi::AnyBuffer>()                      // q_nope
                                   .Arg<xla::ffi::AnyBuffer>()                      // q_pe
                                   .Arg<xla::ffi::AnyBuffer>()                      // ckv

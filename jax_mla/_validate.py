@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-import jax
 import jax.numpy as jnp
 
-from .planner import MLAPlan, SUPPORTED_PAGE_SIZES, W_QLEN, W_REQUEST, W_QSTART
+from .planner import MLAPlan, SUPPORTED_PAGE_SIZES
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 

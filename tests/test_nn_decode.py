@@ -8,10 +8,10 @@ import pytest
 pytest.importorskip("flax", reason="jax_mla.nn needs flax (pip install .[nn])")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jax_mla.nn import (DeepseekConfig, DeepseekModel, Generator, PagedBatch, PagedCacheManager,  # noqa: E402
+from nn_util import fresh_prefill_logits  # noqa: E402
+from jax_mla.nn import (DeepseekConfig, DeepseekModel, Generator, PagedCacheManager,  # noqa: E402
                         RopeScaling)
 
 PROMPTS = [[5, 17, 3, 90, 41], [7, 7, 8, 1, 2, 60, 33, 12, 9], [88, 4, 19]]
@@ -47,19 +47,7 @@ def reference_run(model):
 
 def recompute_logits(model, seqs):
     """Logits at every position of each sequence, from one cache-free pass (expanded form)."""
-    mgr = manager()
-    slots = mgr.admit([len(s) for s in seqs])
-    qo = np.zeros(mgr.max_requests, np.int64)
-    qo[slots] = [len(s) for s in seqs]
-    n = 64
-    tokens = np.zeros(n, np.int32)
-    tokens[: qo.sum()] = np.concatenate([np.asarray(seqs[i]) for i in np.argsort(slots)])
-    plan = mgr.plan(qo, qo, num_heads=model.cfg.num_attention_heads, num_tokens=n)
-    kv = mgr.init_caches(model.cfg.num_hidden_layers, model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim)
-    logits, _ = model(jnp.asarray(tokens), kv, PagedBatch(mgr.sync(), jnp.asarray(qo, jnp.int32), plan),
-                      form="expanded")
-    start = np.cumsum(qo) - qo
-    return [np.asarray(logits)[start[s]: start[s] + len(seq)] for s, seq in zip(slots, seqs)]
+    return fresh_prefill_logits(model, manager(), seqs, num_tokens=64, form="expanded")
 
 
 def test_reference_path_equals_cache_free_recompute(model, reference_run):

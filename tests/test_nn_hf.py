@@ -14,9 +14,8 @@ pytest.importorskip("flax", reason="jax_mla.nn needs flax (pip install .[nn])")
 
 import dataclasses  # noqa: E402
 
-import jax.numpy as jnp  # noqa: E402
-
-from jax_mla.nn import DeepseekConfig, Generator, PagedBatch, PagedCacheManager, hf, rope_inv_freq  # noqa: E402
+from nn_util import fresh_prefill_logits  # noqa: E402
+from jax_mla.nn import DeepseekConfig, Generator, PagedCacheManager, hf, rope_inv_freq  # noqa: E402
 
 DeepseekV2Config = getattr(transformers, "DeepseekV2Config", None)
 DeepseekV3Config = getattr(transformers, "DeepseekV3Config", None)
@@ -88,19 +87,7 @@ def manager():
 
 
 def our_prefill_logits(model, prompts, form):
-    mgr = manager()
-    slots = mgr.admit([len(p) for p in prompts])
-    qo = np.zeros(4, np.int64)
-    qo[slots] = [len(p) for p in prompts]
-    n = 32
-    tokens = np.zeros(n, np.int32)
-    tokens[: qo.sum()] = np.concatenate([np.asarray(prompts[i]) for i in np.argsort(slots)])
-    plan = mgr.plan(qo, qo, num_heads=model.cfg.num_attention_heads, num_tokens=n)
-    kv = mgr.init_caches(model.cfg.num_hidden_layers, model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim)
-    logits, _ = model(jnp.asarray(tokens), kv, PagedBatch(mgr.sync(), jnp.asarray(qo, jnp.int32), plan),
-                      form=form)
-    start = np.cumsum(qo) - qo
-    return [np.asarray(logits)[start[s]: start[s] + len(p)] for s, p in zip(slots, prompts)]
+    return fresh_prefill_logits(model, manager(), prompts, num_tokens=32, form=form)
 
 
 @pytest.fixture(scope="module", params=list(CASES))

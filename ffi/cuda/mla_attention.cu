@@ -105,7 +105,7 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
   }
   if ((int64_t)p.num_work * p.head_blocks > INT32_MAX) return bad("too many work units");
 
-  static const int merge_grid = 2 * sm_count();
+  static const int merge_grid = 4 * sm_count();  // a few merge blocks per SM (8 KiB smem each)
   cudaError_t err;
   switch (dt) {
     case ffi::DataType::BF16:

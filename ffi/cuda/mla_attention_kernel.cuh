@@ -16,24 +16,20 @@
 //   * O += P V: every warp owns 64 of the 512 output columns for all rows, so
 //     V (the ckv half of the key tile) is read from shared memory once.
 //
-// The row count decides the tile shape at run time (a 16-head decode unit has
-// 16 rows, a 4-token causal unit of the same model 64), so the kernel carries
-// three bodies; one is taken uniformly per block.
+// The row count decides the body at run time (a 16-head decode unit has 16
+// rows, a 4-token causal unit of the same model 64): units of <= 16 rows take
+// the narrow body (mla_narrow_kernel.cuh: queries in registers, 64-key stages),
+// wider ones this file's body with 32 or 64 rows; one is taken uniformly per block.
 //
 // Split units write normalised float32 partial outputs and natural-log LSEs to
 // the workspace; mla_merge_kernel combines them (mla_merge_kernel.cuh).
 #pragma once
 
 #include "mla_common.cuh"
+#include "mla_narrow_kernel.cuh"
 
 namespace jax_mla {
 namespace cuda {
-
-// Shared-memory rows of keys and queries: 576 elements + 16 bytes of padding,
-// so that the eight 16-byte rows one ldmatrix phase reads fall in distinct banks.
-constexpr int kRowStride = kDimKey + 8;       // elements
-constexpr int kRowBytes = kRowStride * 2;     // 1168
-constexpr int kChunksPerKey = kDimKey / 8;    // 72 16-byte chunks: 64 ckv + 8 kpe
 
 template <int MT_, int BK_, int STAGES_>
 struct TileShape {
@@ -66,13 +62,14 @@ struct TileShape {
   static_assert(8 * 64 == kDimCkv, "each warp owns 64 output columns");
 };
 
-// The three bodies: 16 rows (decode of <= 16 heads), 32 rows, 64 rows.
-using Tile16 = TileShape<1, 32, 5>;
+// The two wide bodies: 32 rows and 64 rows (16 rows: mla_narrow_kernel.cuh).
 using Tile32 = TileShape<2, 32, 4>;
 using Tile64 = TileShape<4, 32, 3>;
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
-constexpr int kAttentionSmemBytes = cmax(Tile16::BYTES, cmax(Tile32::BYTES, Tile64::BYTES));
+constexpr int kAttentionSmemBytes =
+    cmax(cmax(Tile32::BYTES, Tile64::BYTES), NarrowShape64x3::BYTES);
+static_assert(kAttentionSmemBytes <= 227 * 1024, "one block per SM must fit");
 
 template <typename T, typename Shape>
 __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int h0, int hb, char* smem) {
@@ -385,16 +382,18 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) mla_attention_kernel(const Problem p) {
   extern __shared__ __align__(16) char smem[];
+  allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
   const int unit_index = blockIdx.x / p.head_blocks;
   const int head_block = blockIdx.x - unit_index * p.head_blocks;
   Unit u;
-  if (!decode_unit(p, unit_index, u)) return;  // padding unit (or unusable row)
+  if (!start_unit(p, unit_index, u)) return;  // padding unit (or unusable row)
   const int h0 = head_block * kRowsPerTile;
   const int hb = min(kRowsPerTile, p.num_heads - h0);
   const int rows = u.q_len * hb;
   if (rows > kRowsPerTile) return;  // cannot happen with q_len <= q_tile; keeps tiles in bounds
+  if (rows > 16) finish_unit(p, u);  // the narrow body finishes it after its first loads
   if (rows <= 16) {
-    attend_unit<T, Tile16>(p, u, h0, hb, smem);
+    attend_unit_narrow<T, NarrowShape64x3>(p, u, h0, hb, smem);
   } else if (rows <= 32) {
     attend_unit<T, Tile32>(p, u, h0, hb, smem);
   } else {

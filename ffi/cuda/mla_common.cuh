@@ -20,6 +20,11 @@ constexpr int kDimKey = kDimCkv + kDimKpe;  // a key is [ckv | kpe]
 constexpr int kRowsPerTile = 64;            // planner.ROWS_PER_TILE
 constexpr int kThreads = 256;               // every kernel: 8 warps
 constexpr int kWarps = kThreads / 32;
+// Shared-memory rows of keys and queries: 576 elements + 16 bytes of padding,
+// so that the eight 16-byte rows one ldmatrix phase reads fall in distinct banks.
+constexpr int kRowStride = kDimKey + 8;       // elements
+constexpr int kRowBytes = kRowStride * 2;     // 1168
+constexpr int kChunksPerKey = kDimKey / 8;    // 72 16-byte chunks: 64 ckv + 8 kpe
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -75,8 +80,11 @@ __device__ __forceinline__ int visible_keys(const Unit& u, int i) {
 }
 
 // Reads work row `index`; false for padding rows and for rows that would make
-// the kernel touch memory outside its operands (a plan for other shapes).
-__device__ __forceinline__ bool decode_unit(const Problem& p, int index, Unit& u) {
+// the kernel touch memory outside its operands (a plan for other shapes). The
+// device length is only requested here (kv_len holds the raw value until
+// finish_unit), so a kernel can issue its first page-table and query loads
+// before the length arrives.
+__device__ __forceinline__ bool start_unit(const Problem& p, int index, Unit& u) {
   const int4* row = reinterpret_cast<const int4*>(p.work + (size_t)index * kWorkCols);
   const int4 a = __ldg(row);
   const int4 b = __ldg(row + 1);
@@ -88,13 +96,27 @@ __device__ __forceinline__ bool decode_unit(const Problem& p, int index, Unit& u
   if (u.q_len <= 0 || u.q_len > p.q_tile) return false;
   if (u.q_start < 0 || (long long)u.q_start + u.q_len > p.num_tokens) return false;
   if (u.partial_row >= 0 && (long long)u.partial_row + u.q_len > p.num_partial_rows) return false;
-  u.kv_len = 0;
-  if (u.request >= 0 && u.request < p.num_requests && u.request < p.num_kv_lens) {
-    u.kv_len = min(max(__ldg(p.kv_lens + u.request), 0), p.capacity);
-  }
+  const bool has_len = u.request >= 0 && u.request < p.num_requests && u.request < p.num_kv_lens;
+  u.kv_len = has_len ? __ldg(p.kv_lens + u.request) : 0;
   u.kv_begin = max(b.x, 0);
   u.kv_stop = max(b.y, u.kv_begin);
+  u.range_end = u.kv_begin;
+  return true;
+}
+
+// Clips the device length (to [0, capacity]) and derives the unit's key range.
+__device__ __forceinline__ void finish_unit(const Problem& p, Unit& u) {
+  u.kv_len = min(max(u.kv_len, 0), p.capacity);
   u.range_end = max(min(u.kv_stop, visible_keys(u, u.q_len - 1)), u.kv_begin);
+}
+
+// Keys whose page ids can be read before the device length is known: the
+// split's range clipped to the page table's capacity.
+__device__ __forceinline__ int page_bound(const Problem& p, const Unit& u) { return min(u.kv_stop, p.capacity); }
+
+__device__ __forceinline__ bool decode_unit(const Problem& p, int index, Unit& u) {
+  if (!start_unit(p, index, u)) return false;
+  finish_unit(p, u);
   return true;
 }
 
@@ -160,6 +182,19 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       "{%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Programmatic dependent launch (sm_90+; no-ops elsewhere): the primary grid
+// lets its dependent start early, the dependent waits for the primary's memory.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 // 2^x; exact 0 for -inf, which is how masked scores vanish.

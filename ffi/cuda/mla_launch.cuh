@@ -26,6 +26,27 @@ inline int sm_count() {
   return count;
 }
 
+// Programmatic dependent launch needs compute capability 9.0 (cached per device).
+inline bool supports_dependent_launch() {
+  static std::atomic<int> cached[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  if (device >= 0 && device < kMaxDevices) {
+    const int c = cached[device].load(std::memory_order_acquire);
+    if (c != 0) return c == 2;
+  }
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    cudaGetLastError();
+    major = 0;
+  }
+  if (device >= 0 && device < kMaxDevices) cached[device].store(major >= 9 ? 2 : 1, std::memory_order_release);
+  return major >= 9;
+}
+
 // Attention kernel (one block per work unit and head block), then the merge
 // kernel (split partials, padding tokens). Enqueues only: no sync, no alloc.
 template <typename T>
@@ -51,8 +72,21 @@ inline cudaError_t launch(const Problem& p, cudaStream_t stream, int merge_grid)
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  mla_merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  // The merge kernel is a programmatic dependent launch on sm_90+: its blocks
+  // start as attention blocks retire and wait (griddepcontrol.wait) for the
+  // whole attention grid, which hides its launch latency behind the tail of
+  // the attention kernel.
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(merge_grid);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = supports_dependent_launch() ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, mla_merge_kernel<T>, p);
 }
 
 }  // namespace cuda

@@ -1,12 +1,20 @@
 // Second launch of every call: combines split partials by LSE and writes zeros
 // (LSE -inf) for the padding tokens that no work unit covers.
 //
-// A merge task is (merge row, token, head, 64-column chunk); 256 threads take
-// it as 16 split lanes x 16 float4 columns, so one split's 64 columns are read
-// by 16 consecutive threads and 16 splits are in flight at once. Tasks of all
-// merge rows are dealt round-robin over a grid of about two blocks per SM:
-// the merge table is bucketed (mostly padding), and this keeps the launch the
-// same size whatever it holds.
+// A merge task is (merge row, token, head, one part of the 512 columns). One
+// block takes a task at a time: its 8 warps share the splits (warp w reads
+// splits w, w+8, ...), each lane one float4 per 128 columns of the part, and a
+// warp issues the loads of several splits before any arithmetic waits on
+// them. A row of many splits (one long request spread over the GPU) is cut
+// into four parts of 128 columns with eight splits in flight per warp, so 64
+// splits cost one round trip and the row spreads over 4x the SMs; a row of a
+// few splits into two parts of 256 columns (fewer tasks, each one round trip).
+// The warps meet once in shared memory, where thread c finishes column c of
+// the part. Tasks of all merge rows are numbered by a warp-wide prefix sum over
+// the merge table (each warp does the same scan, so no barrier is needed to
+// agree on it) and dealt round-robin over a grid of a few blocks per SM: the
+// merge table is bucketed (mostly padding), and this keeps the launch the same
+// size whatever it holds.
 #pragma once
 
 #include "mla_common.cuh"
@@ -14,131 +22,140 @@
 namespace jax_mla {
 namespace cuda {
 
-constexpr int kMergeChunks = kDimCkv / 64;  // column chunks per (token, head)
+constexpr int kMergeManySplits = 16;  // rows with more splits take four column parts
 
-template <typename T>
-__device__ __forceinline__ void store4(T* dst, float4 v);
-template <>
-__device__ __forceinline__ void store4<float>(float* dst, float4 v) {
-  *reinterpret_cast<float4*>(dst) = v;
-}
-template <>
-__device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* dst, float4 v) {
-  uint2 w = make_uint2(pack2<__nv_bfloat16>(v.x, v.y), pack2<__nv_bfloat16>(v.z, v.w));
-  *reinterpret_cast<uint2*>(dst) = w;
-}
-template <>
-__device__ __forceinline__ void store4<__half>(__half* dst, float4 v) {
-  uint2 w = make_uint2(pack2<__half>(v.x, v.y), pack2<__half>(v.z, v.w));
-  *reinterpret_cast<uint2*>(dst) = w;
-}
+__host__ __device__ constexpr int merge_parts(int splits) { return splits > kMergeManySplits ? 4 : 2; }
 
 struct MergeScratch {
-  int4 rows[kThreads];
-  float m[kThreads];
-  float s[kThreads];
-  float4 acc[kThreads];
+  float m[kWarps];
+  float s[kWarps];
+  float acc[kWarps][kDimCkv / 2];  // partial sums of the (at most 256) columns of a part
   int red[kWarps];
 };
 
-// out[token, head, chunk] = sum_j w_j o_j / sum_j w_j with w_j = exp(lse_j - max).
-template <typename T>
+// out[token, head, columns of part] = sum_j w_j o_j / sum_j w_j, w_j = exp(lse_j - max).
+template <typename T, int PARTS>
 __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, int token, int base_row, int q_len,
-                                           int splits, int head, int chunk) {
-  const int tid = threadIdx.x;
-  const int lane_j = tid >> 4, c4 = tid & 15;
-  const int col = chunk * 64 + c4 * 4;
+                                           int splits, int head, int part) {
+  constexpr int COLS = kDimCkv / PARTS;  // 256 or 128
+  constexpr int V = COLS / 128;          // float4 per lane per split
+  constexpr int U = PARTS == 4 ? 8 : 4;  // splits in flight per warp
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int col_base = part * COLS;
   float m = -INFINITY, s = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int j0 = lane_j; j0 < splits; j0 += 64) {
-    float lj[4];
-    float4 oj[4];
+  float4 acc[V];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {  // issue all loads first
-      const int j = j0 + 16 * k;
+  for (int v = 0; v < V; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int j0 = warp; j0 < splits; j0 += kWarps * U) {
+    float lj[U];
+    float4 oj[U][V];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {  // issue every load first
+      const int j = j0 + kWarps * k;
       lj[k] = -INFINITY;
-      oj[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int v = 0; v < V; ++v) oj[k][v] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (j < splits) {
         const size_t row = ((size_t)base_row + (size_t)j * q_len) * p.num_heads + head;
+        const float* src = p.partial_o + row * kDimCkv + col_base + lane * 4;
         lj[k] = p.partial_lse[row];
-        oj[k] = *reinterpret_cast<const float4*>(p.partial_o + row * kDimCkv + col);
+#pragma unroll
+        for (int v = 0; v < V; ++v) oj[k][v] = *reinterpret_cast<const float4*>(src + 128 * v);
       }
     }
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < U; ++k) {
       if (lj[k] == -INFINITY) continue;  // an empty split adds nothing
       if (lj[k] > m) {
         const float r = m == -INFINITY ? 0.f : __expf(m - lj[k]);
-        acc.x *= r; acc.y *= r; acc.z *= r; acc.w *= r;
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          acc[v].x *= r; acc[v].y *= r; acc[v].z *= r; acc[v].w *= r;
+        }
         s *= r;
         m = lj[k];
       }
       const float w = __expf(lj[k] - m);
-      acc.x += w * oj[k].x; acc.y += w * oj[k].y; acc.z += w * oj[k].z; acc.w += w * oj[k].w;
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        acc[v].x += w * oj[k][v].x; acc[v].y += w * oj[k][v].y;
+        acc[v].z += w * oj[k][v].z; acc[v].w += w * oj[k][v].w;
+      }
       s += w;
     }
   }
-  sh.m[tid] = m;
-  sh.s[tid] = s;
-  sh.acc[tid] = acc;
-  __syncthreads();
-  if (tid < 16) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < 16; ++k) mx = fmaxf(mx, sh.m[k * 16 + tid]);
-    float tot = 0.f;
-    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (mx != -INFINITY) {
-#pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        const float mk = sh.m[k * 16 + tid];
-        if (mk == -INFINITY) continue;
-        const float w = __expf(mk - mx);
-        const float4 ak = sh.acc[k * 16 + tid];
-        tot += w * sh.s[k * 16 + tid];
-        a.x += w * ak.x; a.y += w * ak.y; a.z += w * ak.z; a.w += w * ak.w;
-      }
-    }
-    const float inv = tot > 0.f ? 1.f / tot : 0.f;
-    a.x *= inv; a.y *= inv; a.z *= inv; a.w *= inv;
-    const size_t row = (size_t)token * p.num_heads + head;
-    store4<T>(static_cast<T*>(p.out) + row * kDimCkv + col, a);
-    if (tid == 0 && chunk == 0) p.lse[row] = tot > 0.f ? mx + __logf(tot) : -INFINITY;
+  if (lane == 0) {
+    sh.m[warp] = m;
+    sh.s[warp] = s;
   }
+#pragma unroll
+  for (int v = 0; v < V; ++v) *reinterpret_cast<float4*>(&sh.acc[warp][128 * v + lane * 4]) = acc[v];
+  __syncthreads();
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sh.m[w]);
+  float tot = 0.f, a = 0.f;
+  const int c = tid < COLS ? tid : 0;  // threads past the part's columns only help with the barrier
+  if (mx != -INFINITY) {
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = sh.m[w];
+      if (mw == -INFINITY) continue;
+      const float wt = __expf(mw - mx);
+      tot += wt * sh.s[w];
+      a += wt * sh.acc[w][c];
+    }
+  }
+  const size_t row = (size_t)token * p.num_heads + head;
+  if (tid < COLS) static_cast<T*>(p.out)[row * kDimCkv + col_base + tid] = from_float<T>(tot > 0.f ? a / tot : 0.f);
+  if (tid == 0 && part == 0) p.lse[row] = tot > 0.f ? mx + __logf(tot) : -INFINITY;
   __syncthreads();  // scratch reused by the next task
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
   __shared__ MergeScratch sh;
-  const int tid = threadIdx.x;
-  const long long grid = gridDim.x;
-  const int tasks_per_token = p.num_heads * kMergeChunks;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int grid = gridDim.x;
+  wait_for_primary_grid();  // partials and direct outputs of the attention kernel are complete
 
-  // ---- merges: deal the tasks of all usable merge rows round-robin ----
+  // ---- merges: number the tasks 32 merge rows at a time (every warp alike) ----
   long long task_base = 0;
-  for (int m0 = 0; m0 < p.num_merge; m0 += kThreads) {
-    __syncthreads();
-    sh.rows[tid] = m0 + tid < p.num_merge
-                       ? __ldg(reinterpret_cast<const int4*>(p.merge) + m0 + tid)
-                       : make_int4(0, 0, 0, 0);
-    __syncthreads();
-    const int n = min(kThreads, p.num_merge - m0);
-    for (int k = 0; k < n; ++k) {
-      const int4 mr = sh.rows[k];
-      if (!merge_row_ok(p, mr)) continue;
-      const long long tasks = (long long)mr.y * tasks_per_token;
-      const long long first = task_base + ((blockIdx.x - task_base) % grid + grid) % grid;
-      for (long long t = first; t < task_base + tasks; t += grid) {
-        const int local = (int)(t - task_base);
-        const int i = local / tasks_per_token;
-        const int rem = local - i * tasks_per_token;
-        const int head = rem / kMergeChunks;
-        const int chunk = rem - head * kMergeChunks;
-        merge_task<T>(p, sh, mr.x + i, mr.z + i, mr.y, mr.w, head, chunk);
-      }
-      task_base += tasks;
+  for (int m0 = 0; m0 < p.num_merge; m0 += 32) {
+    int4 mr = make_int4(0, 0, 0, 0);
+    if (m0 + lane < p.num_merge) mr = __ldg(reinterpret_cast<const int4*>(p.merge) + m0 + lane);
+    const long long mine = merge_row_ok(p, mr) ? (long long)mr.y * p.num_heads * merge_parts(mr.w) : 0;
+    long long incl = mine;  // inclusive prefix over the lanes
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const long long v = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += v;
     }
+    const long long total = __shfl_sync(0xffffffffu, incl, 31);
+    // This block's tasks in [task_base, task_base + total): t == blockIdx.x (mod grid).
+    const long long first = task_base + ((blockIdx.x - task_base) % grid + grid) % grid;
+    for (long long t = first; t < task_base + total; t += grid) {
+      const long long local = t - task_base;
+      const unsigned owners = __ballot_sync(0xffffffffu, incl > local);
+      const int src = __ffs(owners) - 1;  // first lane whose prefix passes local
+      const long long start = __shfl_sync(0xffffffffu, incl - mine, src);
+      const int q_start = __shfl_sync(0xffffffffu, mr.x, src);
+      const int q_len = __shfl_sync(0xffffffffu, mr.y, src);
+      const int base = __shfl_sync(0xffffffffu, mr.z, src);
+      const int splits = __shfl_sync(0xffffffffu, mr.w, src);
+      const int parts = merge_parts(splits);
+      const int in_row = (int)(local - start);
+      const int i = in_row / (p.num_heads * parts);
+      const int rem = in_row - i * (p.num_heads * parts);
+      const int head = rem / parts;
+      const int part = rem - head * parts;
+      if (parts == 4) {
+        merge_task<T, 4>(p, sh, q_start + i, base + i, q_len, splits, head, part);
+      } else {
+        merge_task<T, 2>(p, sh, q_start + i, base + i, q_len, splits, head, part);
+      }
+    }
+    task_base += total;
   }
 
   // ---- padding tokens: [end, T) where end is the last token any unit covers ----

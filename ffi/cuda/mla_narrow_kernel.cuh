@@ -1,0 +1,372 @@
+// The body of the paged MLA kernel for units of at most 16 query rows: decode
+// of a model with <= 16 heads (the memory-bound case the targets are about).
+//
+// Why a separate body: with 16 rows the tensor-core work per key is tiny and
+// the 64-row body spent its time re-reading the queries from shared memory
+// and waiting at three barriers per 32 keys. Here
+//
+//   * the queries live in registers for the whole unit: warp w keeps the A
+//     fragments of one slice of the 576 query dims (DS slices) and computes
+//     the partial scores of one 16-key group over that slice, so every key
+//     byte in shared memory is read once for S and once for PV, queries never;
+//   * the DS partial scores meet in shared memory, where each warp then owns
+//     two of the 16 rows across the whole key block: max, exp2 and the running
+//     sum are warp-local (shuffles), no per-row reduction across warps;
+//   * P V as in the wide body: warp w owns output columns 64w .. 64w+63;
+//   * BK keys per pipeline stage (64 or 32); three barriers per stage.
+//
+// Keys are gathered with cp.async through the same page-id ring as the wide
+// body (mla_attention_kernel.cuh); split units write the same float32
+// partials for mla_merge_kernel.
+#pragma once
+
+#include "mla_common.cuh"
+
+namespace jax_mla {
+namespace cuda {
+
+// Shared-memory key rows here are unpadded (1152 bytes) and swizzled instead:
+// 16-byte chunk c of row k lives at chunk c ^ (k & 7). Every ldmatrix phase
+// reads eight consecutive rows at one logical chunk, which then land in eight
+// distinct bank groups, and the 16 bytes of padding per row that the wide body
+// spends buy the third 64-key stage here (3 x 72 KiB).
+constexpr int kNarrowRowBytes = kDimKey * 2;  // 1152
+
+template <int BK_, int STAGES_>
+struct NarrowShape {
+  static constexpr int BK = BK_;
+  static constexpr int STAGES = STAGES_;
+  static constexpr int ROWS = 16;
+  static constexpr int KGROUPS = BK / 16;                 // 16-key groups per stage
+  static constexpr int DS = kWarps / KGROUPS;             // dim slices per key group
+  static constexpr int KSTEPS = (kDimKey / 16) / DS;      // k16 steps a warp owns
+  static constexpr int KPL = BK / 32;                     // keys per lane in the softmax
+  static constexpr int PASSES = BK / 32;                  // 256 threads x 16 B cover 32 keys per pass
+  static constexpr int S_STRIDE = BK + 8;                 // floats; rows g, g+4 land in distinct banks
+  // P (the probabilities, in the input type) overlays the first bytes of row r
+  // of slice 0 of the partial scores: only the warp that owns row r reads that
+  // row, and it has read it before it writes P.
+  static constexpr int P_STRIDE = S_STRIDE * 2;           // elements
+  // Byte offsets. The queries are staged once in the last key stage, which the
+  // prologue leaves empty, on their way into registers.
+  static constexpr int KV_OFF = 0;
+  static constexpr int S_OFF = KV_OFF + STAGES * BK * kNarrowRowBytes;
+  static constexpr int ALPHA_OFF = S_OFF + DS * ROWS * S_STRIDE * 4;
+  static constexpr int LSUM_OFF = ALPHA_OFF + ROWS * 4;
+  static constexpr int MFIN_OFF = LSUM_OFF + ROWS * 4;
+  static constexpr int KEY_OK_OFF = MFIN_OFF + ROWS * 4;           // one byte per key of each stage
+  static constexpr int PAGE_RING = 2 * STAGES;
+  static constexpr int PAGE_RING_OFF = KEY_OK_OFF + ((STAGES * BK + 15) / 16) * 16;
+  static constexpr int BYTES = PAGE_RING_OFF + PAGE_RING * BK * 4;
+
+  static_assert(KGROUPS * DS == kWarps && DS * KSTEPS * 16 == kDimKey, "warps tile keys x dims");
+  static_assert(BK % 32 == 0 && ROWS == 2 * kWarps, "softmax: two rows per warp, whole lanes per key");
+  static_assert(STAGES >= 2 && BK >= ROWS, "queries are staged in the last key stage");
+  static_assert(S_OFF % 16 == 0 && (S_STRIDE * 4) % 16 == 0, "ldmatrix rows are 16-byte aligned");
+};
+
+// 64 keys x 3 stages measured best for the memory-bound shapes (ffi/cuda/NOTES.md:
+// 64 x 2 and 32 x 5 were within noise at 128 x 4096 and slower at 32 x 4096).
+using NarrowShape64x3 = NarrowShape<64, 3>;
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return (uint32_t)(row * kNarrowRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+template <typename T, typename Shape>
+__device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int h0, int hb, char* smem) {
+  constexpr int BK = Shape::BK, STAGES = Shape::STAGES, DS = Shape::DS, KSTEPS = Shape::KSTEPS;
+  constexpr int KPL = Shape::KPL, PASSES = Shape::PASSES;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int rows = u.q_len * hb;
+
+  const uint32_t s_kv = smem_addr(smem + Shape::KV_OFF);
+  const uint32_t s_q = s_kv + (STAGES - 1) * BK * kNarrowRowBytes;  // staging only
+  float* s_part = reinterpret_cast<float*>(smem + Shape::S_OFF);
+  float* alpha_s = reinterpret_cast<float*>(smem + Shape::ALPHA_OFF);
+  float* lsum_s = reinterpret_cast<float*>(smem + Shape::LSUM_OFF);
+  float* mfin_s = reinterpret_cast<float*>(smem + Shape::MFIN_OFF);
+  unsigned char* key_ok = reinterpret_cast<unsigned char*>(smem + Shape::KEY_OK_OFF);
+  int* page_ring = reinterpret_cast<int*>(smem + Shape::PAGE_RING_OFF);
+
+  const T* q_nope = static_cast<const T*>(p.q_nope);
+  const T* q_pe = static_cast<const T*>(p.q_pe);
+  const T* ckv = static_cast<const T*>(p.ckv);
+  const T* kpe = static_cast<const T*>(p.kpe);
+
+  // ---- queries, staged (rows r = (token r / hb, head h0 + r % hb); padding rows zero) ----
+  for (int idx = tid; idx < Shape::ROWS * kChunksPerKey; idx += kThreads) {
+    const int r = idx / kChunksPerKey, c = idx - r * kChunksPerKey;
+    const void* src = q_nope;
+    int bytes = 0;
+    if (r < rows) {
+      const size_t tok_head = (size_t)(u.q_start + r / hb) * p.num_heads + h0 + r % hb;
+      src = c < 64 ? (const void*)(q_nope + tok_head * kDimCkv + c * 8)
+                   : (const void*)(q_pe + tok_head * kDimKpe + (c - 64) * 8);
+      bytes = 16;
+    }
+    cp_async16(s_q + swz(r, c), src, bytes);
+  }
+
+  const int kv_begin = u.kv_begin;
+  const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+  const int sub = tid & 7;
+  // Until the device length arrives (finish_unit below), page ids are fetched
+  // up to the page table's bound; keys past the length are never gathered.
+  int key_bound = u.request >= 0 && u.request < p.num_requests ? page_bound(p, u) : kv_begin;
+  int num_blocks = INT_MAX;
+
+  auto fetch_pages = [&](int blk) {
+    if (tid < BK) {
+      const int key = kv_begin + blk * BK + tid;
+      const bool ok = blk < num_blocks && key < key_bound;
+      const int* src = ok ? pt_row + (key >> p.log2_page_size) : p.page_table;
+      cp_async4(smem_addr(page_ring + (blk % Shape::PAGE_RING) * BK + tid), src, ok ? 4 : 0);
+    }
+  };
+  auto issue_block = [&](int blk) {
+    const int stage = blk % STAGES;
+    const int* pages = page_ring + (blk % Shape::PAGE_RING) * BK;
+#pragma unroll
+    for (int pass = 0; pass < PASSES; ++pass) {
+      const int kl = pass * 32 + (tid >> 3);
+      const int key = kv_begin + blk * BK + kl;
+      const int page = pages[kl];
+      const bool ok = key < u.range_end && page >= 0 && page < p.num_pages;
+      const size_t slot = ok ? (size_t)page * p.page_size + (key & (p.page_size - 1)) : 0;
+      const T* src_c = ckv + slot * kDimCkv;
+      const T* src_r = kpe + slot * kDimKpe;
+      const int bytes = ok ? 16 : 0;
+      const uint32_t dst = s_kv + (stage * BK + kl) * kNarrowRowBytes;
+      const int x = sub ^ (kl & 7);  // swizzled chunk within each group of eight
+#pragma unroll
+      for (int i = 0; i < 8; ++i) cp_async16(dst + ((8 * i + x) << 4), src_c + (sub + 8 * i) * 8, bytes);
+      cp_async16(dst + ((64 + x) << 4), src_r + sub * 8, bytes);
+      if (sub == 0) key_ok[stage * BK + kl] = ok;
+    }
+  };
+
+  // Prologue: queries and the pages of blocks 0 .. 2S-3 in one round trip, with
+  // the device length in flight beside them; the queries go to registers
+  // before any key lands in their staging stage.
+#pragma unroll 1
+  for (int b = 0; b < 2 * STAGES - 2; ++b) fetch_pages(b);
+  cp_async_commit();
+  finish_unit(p, u);
+  key_bound = u.range_end;
+  num_blocks = (u.range_end - kv_begin + BK - 1) / BK;
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // ---- roles ----
+  // S: key group kgrp (keys 16 kgrp .. +16 of the stage), dim slice ds (k16 steps
+  // ds*KSTEPS .. +KSTEPS, i.e. 16-byte chunks 2 ds KSTEPS .. ). In every ldmatrix
+  // below the lane's row is = lane (mod 8), so its swizzle term is lane & 7.
+  const int kgrp = warp / DS, ds = warp - (warp / DS) * DS;
+  const int sw = lane & 7;
+  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int a_chunk = lane >> 4;  // A operand: column 8 * a_chunk of the 16-wide step
+  uint32_t qf[KSTEPS][4];
+#pragma unroll
+  for (int j = 0; j < KSTEPS; ++j) {
+    const int c = (ds * KSTEPS + j) * 2 + a_chunk;
+    ldmatrix_x4(qf[j], s_q + a_row * kNarrowRowBytes + ((c ^ sw) << 4));
+  }
+  const int kb_key = kgrp * 16 + (lane & 7) + (lane >> 4) * 8;
+  const int kb_chunk = (ds * KSTEPS) * 2 + ((lane >> 3) & 1);
+
+  // Softmax: rows 2w and 2w+1, keys lane*KPL .. +KPL of the stage.
+  int row_limit[2];
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_lane[2] = {0.f, 0.f};
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int r = 2 * warp + rr;
+    row_limit[rr] = r < rows ? min(u.kv_stop, visible_keys(u, r / hb)) : INT_MIN;
+  }
+
+  // PV: columns 64w .. 64w+63, all 16 rows.
+  float o[8][4];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nt][e] = 0.f;
+  const uint32_t p_lane = smem_addr(s_part) + a_row * (Shape::S_STRIDE * 4) + a_chunk * 16;
+  __syncthreads();  // every warp holds its queries: the staging stage may be refilled
+
+#pragma unroll 1  // one copy of the gather code besides the loop's (instruction-cache footprint)
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_blocks) issue_block(s);
+    cp_async_commit();
+  }
+
+  for (int blk = 0; blk < num_blocks; ++blk) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // block blk landed for all; block blk-1 (its stage, P, S) fully consumed
+    {
+      const int nb = blk + STAGES - 1;
+      if (nb < num_blocks) issue_block(nb);
+      fetch_pages(nb + STAGES - 1);
+      cp_async_commit();
+    }
+    const int stage = blk % STAGES;
+    const uint32_t s_k = s_kv + stage * BK * kNarrowRowBytes;
+    const int key0 = kv_begin + blk * BK;
+
+    // ---- partial S over this warp's dim slice; four independent mma chains ----
+    {
+      float acc[2][2][4];
+#pragma unroll
+      for (int c = 0; c < 2; ++c)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[c][nt][e] = 0.f;
+      const uint32_t k_row = s_k + kb_key * kNarrowRowBytes;
+#pragma unroll
+      for (int j = 0; j < KSTEPS; ++j) {
+        uint32_t kb[4];
+        ldmatrix_x4(kb, k_row + (((kb_chunk + 2 * j) ^ sw) << 4));
+        mma_16816<T>(acc[j & 1][0], qf[j], kb[0], kb[1]);
+        mma_16816<T>(acc[j & 1][1], qf[j], kb[2], kb[3]);
+      }
+      float* sp = s_part + ds * Shape::ROWS * Shape::S_STRIDE;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col = kgrp * 16 + nt * 8 + 2 * t4;
+        *reinterpret_cast<float2*>(sp + g * Shape::S_STRIDE + col) =
+            make_float2(acc[0][nt][0] + acc[1][nt][0], acc[0][nt][1] + acc[1][nt][1]);
+        *reinterpret_cast<float2*>(sp + (g + 8) * Shape::S_STRIDE + col) =
+            make_float2(acc[0][nt][2] + acc[1][nt][2], acc[0][nt][3] + acc[1][nt][3]);
+      }
+    }
+    __syncthreads();  // partial scores of all slices visible
+
+    // ---- softmax of rows 2w, 2w+1 over the whole stage (base 2) ----
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int r = 2 * warp + rr;
+      float s[KPL];
+#pragma unroll
+      for (int kk = 0; kk < KPL; ++kk) s[kk] = 0.f;
+#pragma unroll
+      for (int d = 0; d < DS; ++d) {
+        const float* src = s_part + (d * Shape::ROWS + r) * Shape::S_STRIDE + lane * KPL;
+        if constexpr (KPL == 2) {
+          const float2 v = *reinterpret_cast<const float2*>(src);
+          s[0] += v.x;
+          s[1] += v.y;
+        } else {
+#pragma unroll
+          for (int kk = 0; kk < KPL; ++kk) s[kk] += src[kk];
+        }
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int kk = 0; kk < KPL; ++kk) {
+        const int kl = lane * KPL + kk;
+        const bool vis = key_ok[stage * BK + kl] != 0 && key0 + kl < row_limit[rr];
+        s[kk] = vis ? s[kk] * p.scale_log2 : -INFINITY;
+        mx = fmaxf(mx, s[kk]);
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_new = fmaxf(m_run[rr], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: zeros, no NaN
+      const float alpha = fast_exp2(m_run[rr] - m_use);
+      float sum = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KPL; ++kk) {
+        s[kk] = fast_exp2(s[kk] - m_use);
+        sum += s[kk];
+      }
+      l_lane[rr] = l_lane[rr] * alpha + sum;
+      m_run[rr] = m_new;
+      // P row r overwrites the slice-0 scores of row r, which this warp alone reads
+      // (all lanes have: the shuffles above waited for every lane's loads).
+      __syncwarp();
+      T* prow = reinterpret_cast<T*>(s_part) + r * Shape::P_STRIDE + lane * KPL;
+      if constexpr (KPL == 2) {
+        *reinterpret_cast<uint32_t*>(prow) = pack2<T>(s[0], s[1]);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < KPL; ++kk) prow[kk] = from_float<T>(s[kk]);
+      }
+      if (lane == 0) alpha_s[r] = alpha;
+    }
+    __syncthreads();  // P and the rescale factors visible
+
+    // ---- O = alpha O + P V over this warp's 64 columns ----
+    {
+      const float a0 = alpha_s[g], a1 = alpha_s[g + 8];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        o[nt][0] *= a0;
+        o[nt][1] *= a0;
+        o[nt][2] *= a1;
+        o[nt][3] *= a1;
+      }
+      // V rows (keys) ks*16 + a_row; columns 64w + 16 np + 8 a_chunk, i.e. chunk 8w + 2np + a_chunk.
+      const uint32_t v_row = s_k + a_row * kNarrowRowBytes;
+#pragma unroll
+      for (int ks = 0; ks < BK / 16; ++ks) {
+        uint32_t pa[4];
+        ldmatrix_x4(pa, p_lane + ks * 32);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+          uint32_t vb[4];
+          ldmatrix_x4_trans(vb, v_row + ks * 16 * kNarrowRowBytes + (((warp * 8 + np * 2 + a_chunk) ^ sw) << 4));
+          mma_16816<T>(o[2 * np], pa, vb[0], vb[1]);
+          mma_16816<T>(o[2 * np + 1], pa, vb[2], vb[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
+
+  // ---- row sums and maxima for the epilogue ----
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float l = l_lane[rr];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) {
+      lsum_s[2 * warp + rr] = l;
+      mfin_s[2 * warp + rr] = m_run[rr];
+    }
+  }
+  __syncthreads();
+
+  // ---- epilogue: normalise and store (directly, or as a split partial) ----
+  const bool direct = u.partial_row < 0;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = g + 8 * e;
+    if (r >= rows) continue;
+    const float l = lsum_s[r];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float lse = l > 0.f ? (mfin_s[r] + __log2f(l)) * kLn2 : -INFINITY;
+    const int i = r / hb, h = h0 + r % hb;
+    const int col0 = warp * 64 + 2 * t4;
+    if (direct) {
+      const size_t row = (size_t)(u.q_start + i) * p.num_heads + h;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * kDimCkv + col0);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) dst[nt * 4] = pack2<T>(o[nt][2 * e] * inv, o[nt][2 * e + 1] * inv);
+      if (warp == 0 && t4 == 0) p.lse[row] = lse;
+    } else {
+      const size_t row = (size_t)(u.partial_row + i) * p.num_heads + h;
+      float2* dst = reinterpret_cast<float2*>(p.partial_o + row * kDimCkv + col0);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) dst[nt * 4] = make_float2(o[nt][2 * e] * inv, o[nt][2 * e + 1] * inv);
+      if (warp == 0 && t4 == 0) p.partial_lse[row] = lse;
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace jax_mla

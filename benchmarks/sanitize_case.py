@@ -89,6 +89,8 @@ def main():
     ok &= run_case(rng, heads=16, page_size=1, qo=[4, 3], kv=[300, 45], dtype=f16, target=SPLIT,
                    device_kv=[297, 2], bad_pages=True)
     ok &= run_case(rng, heads=128, page_size=1, qo=[1, 1], kv=[200, 31], dtype=f32, target=SPLIT)
+    # one long request over many SMs (> 16 splits: the merge's four-part path) beside a short one
+    ok &= run_case(rng, heads=16, page_size=16, qo=[1, 2], kv=[5000, 300], dtype=bf16, target=SPLIT)
     if not args.small:
         # long ranges (many trips round the key ring), default GPU plan
         ok &= run_case(rng, heads=16, page_size=16, qo=[1] * 3, kv=[20000, 3000, 129], dtype=bf16)

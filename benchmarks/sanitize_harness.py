@@ -33,6 +33,7 @@ CASES = [  # heads, page_size, qo, kv, dtype, padding, device_kv, bad_pages
     (16, 64, [4, 2, 4, 1], [530, 77, 4, 260], "bfloat16", 3, None, False),
     (16, 1, [4, 3], [300, 45], "float16", 0, [297, 2], True),
     (128, 1, [1, 1], [200, 31], "float32", 1, None, False),
+    (16, 16, [1, 2], [5000, 300], "bfloat16", 0, None, False),  # > 16 splits: four-part merge
 ]
 
 

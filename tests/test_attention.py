@@ -22,7 +22,7 @@ import pytest
 from jax_mla import PlanTarget, mla_paged_attention, mla_paged_attention_reference, plan_mla
 from jax_mla import _ffi
 from jax_mla.attention import CUDA_DIMS
-from jax_mla.planner import KV_END_OPEN, M_QLEN, W_KV_END, W_PARTIAL_ROW, W_QLEN
+from jax_mla.planner import KV_END_OPEN, M_NUM_SPLITS, M_QLEN, W_KV_END, W_PARTIAL_ROW, W_QLEN
 from jax_mla.testing import random_paged_batch, rel_err
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
@@ -192,6 +192,24 @@ def test_long_ragged_extend(rng, heads):
                                dtype=BF16)
     plan = plan_mla(qo, kv, num_heads=heads, page_size=16, target=SPLIT)
     assert plan.q_tile < qo.max()
+    check_against_reference(batch, plan)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_many_and_few_splits_in_one_batch(rng, heads):
+    """One long request spread over ~50 units beside tiles of a few splits: the CUDA merge takes rows of
+    more than 16 splits in four column parts (eight splits in flight per warp), the others in two."""
+    dims = SMALL if jax.default_backend() == "cpu" else DEEPSEEK
+    require_kernel(*dims)
+    qo = np.array([1, 2, 1])
+    kv = np.array([3000, 200, 37])
+    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=16, d_ckv=dims[0], d_kpe=dims[1],
+                               dtype=BF16)
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=16,
+                    target=PlanTarget(num_workers=132, min_chunk=64, chunk_align=32))
+    merge = np.asarray(plan.merge)
+    splits = merge[merge[:, M_QLEN] > 0, M_NUM_SPLITS]
+    assert splits.max() > 16 and ((splits > 1) & (splits <= 16)).any(), plan.describe()
     check_against_reference(batch, plan)
 
 

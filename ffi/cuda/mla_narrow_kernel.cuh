@@ -13,7 +13,7 @@
 //     two of the 16 rows across the whole key block: max, exp2 and the running
 //     sum are warp-local (shuffles), no per-row reduction across warps;
 //   * P V as in the wide body: warp w owns output columns 64w .. 64w+63;
-//   * BK keys per pipeline stage (64 or 32); three barriers per stage.
+//   * 64 keys per pipeline stage, three stages; three barriers per stage.
 //
 // Keys are gathered with cp.async through the same page-id ring as the wide
 // body (mla_attention_kernel.cuh); split units write the same float32
@@ -65,8 +65,8 @@ struct NarrowShape {
   static_assert(S_OFF % 16 == 0 && (S_STRIDE * 4) % 16 == 0, "ldmatrix rows are 16-byte aligned");
 };
 
-// 64 keys x 3 stages measured best for the memory-bound shapes (ffi/cuda/NOTES.md:
-// 64 x 2 and 32 x 5 were within noise at 128 x 4096 and slower at 32 x 4096).
+// 64 keys x 3 stages measured best overall (ffi/cuda/NOTES.md, v2b: 64 x 2 was faster
+// at 1 x 32K, 28.0 vs 31.7 us, but slower at 32 x 4096 and 128 x 4096; 32 x 5 slower or even).
 using NarrowShape64x3 = NarrowShape<64, 3>;
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.

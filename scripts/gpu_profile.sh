@@ -2,7 +2,9 @@
 # On the GPU machine: Nsight Compute profile of the CUDA kernels at
 # benchmark-like shapes (benchmarks/sanitize_harness.py PROFILE_CASES: 128 x 1024
 # keys at 16 heads, 64 x 1024 at 128 heads, 32 x 4096 at 16 heads with splits),
-# run through the standalone driver. Report in $OUT/ncu.txt.
+# run through the standalone driver. Report in $OUT/ncu.txt; then per-kernel device
+# times at the benchmark target shapes through JAX (benchmarks/kernel_probe.py) in
+# $OUT/kernel_times.txt.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jax_mla_out}
@@ -18,3 +20,13 @@ timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --kernel-name regex:mla_ \
   /tmp/mla_harness /tmp/mla_prof/case0.bin /tmp/mla_prof/case1.bin /tmp/mla_prof/case2.bin > "$OUT/ncu.txt" 2>&1
 echo "ncu exit $?"
 grep -E "mla_|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Issue Slots Busy|No Eligible|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -60
+
+# Device time of each kernel (attention, merge) per call at the benchmark's target shapes, through
+# JAX (needs the package built: pip install --no-build-isolation --no-deps -e .). ncu runs at base
+# clocks with caches flushed between kernels, so these are upper bounds of the in-graph times.
+if python3 -c 'import jax_mla' 2> /dev/null; then
+  timeout ${PROBE_TIMEOUT:-150} ncu --metrics gpu__time_duration.sum --kernel-name regex:mla_ \
+    python3 benchmarks/kernel_probe.py --calls 2 > "$OUT/kernel_times.txt" 2>&1
+  echo "kernel probe exit $?"
+  grep -E "^shape|mla_|gpu__time" "$OUT/kernel_times.txt" | head -60
+fi

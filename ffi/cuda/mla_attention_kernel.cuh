@@ -9,8 +9,11 @@
 //     STAGES-deep ring of shared-memory tiles [BK][512 | 64]; page ids come
 //     STAGES-1 blocks ahead through a second (smem) ring, so the gather never
 //     waits on a page-table read;
-//   * S = Q K^T (mma.sync m16n8k16, fp32 accumulate): the "S warps" split the
-//     block's rows (16-row tiles) and keys between them;
+//   * S = Q K^T (fp32 accumulate): on sm_90a, for 33-64 rows, warpgroup 0
+//     issues 36 wgmma m64n32k16 with Q and the keys read from shared memory by
+//     descriptor (both tiles in the 128-byte swizzle), so neither is re-read per
+//     warp; elsewhere (sm_80, 17-32 rows) the "S warps" split the rows (16-row
+//     tiles) and keys between them with mma.sync m16n8k16 and ldmatrix;
 //   * online softmax in base 2: row maxima are combined across warps through
 //     shared memory, P is rounded to the input type and shared the same way;
 //   * O += P V: every warp owns 64 of the 512 output columns for all rows, so
@@ -31,23 +34,41 @@
 namespace jax_mla {
 namespace cuda {
 
-template <int MT_, int BK_, int STAGES_>
+template <int MT_, int BK_, int STAGES_, bool WGMMA_ = false>
 struct TileShape {
   static constexpr int MT = MT_;          // 16-row tiles
   static constexpr int BK = BK_;          // keys per pipeline stage
   static constexpr int STAGES = STAGES_;  // depth of the key ring
+  static constexpr bool WGMMA = WGMMA_;   // S = Q K^T by warpgroup 0's wgmma (sm_90a)
   static constexpr int MP = MT * 16;      // padded rows
   // S phase: warps = MT row tiles x KG key groups of KW keys (NT n8 tiles each).
-  static constexpr int KG = (8 / MT) < (BK / 8) ? (8 / MT) : (BK / 8);
+  // With wgmma, warpgroup 0 takes all BK keys (warp w: rows 16w .. 16w + 15).
+  static constexpr int KG = WGMMA ? 1 : ((8 / MT) < (BK / 8) ? (8 / MT) : (BK / 8));
   static constexpr int SW = MT * KG;
   static constexpr int KW = BK / KG;
   static constexpr int NT = KW / 8;
   static constexpr int PASSES = BK / 32;  // 256 threads x 16 B cover 32 keys per pass
   static constexpr int P_STRIDE = BK + 8; // elements; padded like the key rows
-  // Byte offsets in dynamic shared memory.
+  // Query and key tiles: rows padded by 16 bytes (ldmatrix reads them without
+  // bank conflicts), or, for wgmma, nine panels of 64 dimensions in the 128-byte
+  // swizzle its descriptors describe (ldmatrix reads those conflict-free too).
+  static constexpr int PANELS = kDimKey / 64;
+  static constexpr int Q_BYTES = WGMMA ? PANELS * MP * 128 : MP * kRowBytes;
+  static constexpr int STAGE_BYTES = WGMMA ? PANELS * BK * 128 : BK * kRowBytes;
+  static constexpr int ALIGN = WGMMA ? 1024 : 16;  // swizzle atoms: 1024-byte aligned
+  // Byte offset of 16-byte chunk c (of 72) of row r in a tile of ROWS rows.
+  template <int ROWS>
+  static __device__ __forceinline__ uint32_t chunk_offset(int r, int c) {
+    if constexpr (WGMMA) {
+      return (c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+    } else {
+      return r * kRowBytes + c * 16;
+    }
+  }
+  // Byte offsets in dynamic shared memory (after aligning its start to ALIGN).
   static constexpr int Q_OFF = 0;
-  static constexpr int KV_OFF = Q_OFF + MP * kRowBytes;
-  static constexpr int P_OFF = KV_OFF + STAGES * BK * kRowBytes;
+  static constexpr int KV_OFF = Q_OFF + Q_BYTES;
+  static constexpr int P_OFF = KV_OFF + STAGES * STAGE_BYTES;
   static constexpr int RED_MAX_OFF = P_OFF + MP * P_STRIDE * 2;
   static constexpr int RED_SUM_OFF = RED_MAX_OFF + KG * MP * 4;
   static constexpr int ALPHA_OFF = RED_SUM_OFF + KG * MP * 4;
@@ -55,9 +76,11 @@ struct TileShape {
   static constexpr int KEY_OK_OFF = M_FINAL_OFF + MP * 4;
   static constexpr int PAGE_RING = 2 * STAGES;  // blocks of page ids in flight or waiting
   static constexpr int PAGE_RING_OFF = KEY_OK_OFF + STAGES * BK * 4;
-  static constexpr int BYTES = PAGE_RING_OFF + PAGE_RING * BK * 4;
+  static constexpr int BYTES = PAGE_RING_OFF + PAGE_RING * BK * 4 + (ALIGN - 16);
 
-  static_assert(NT == 1 || NT == 2, "S warps hold one or two n8 tiles");
+  static_assert(WGMMA ? (MT == 4 && BK == 32) : (NT == 1 || NT == 2),
+                "mma.sync S warps hold one or two n8 tiles; wgmma: 64 rows x 32 keys");
+  static_assert(Q_BYTES % ALIGN == 0 && STAGE_BYTES % ALIGN == 0, "tiles keep the alignment");
   static_assert(SW <= kWarps && BK % 32 == 0 && BK <= kThreads, "tile shape");
   static_assert(8 * 64 == kDimCkv, "each warp owns 64 output columns");
 };
@@ -65,10 +88,11 @@ struct TileShape {
 // The two wide bodies: 32 rows and 64 rows (16 rows: mla_narrow_kernel.cuh).
 using Tile32 = TileShape<2, 32, 4>;
 using Tile64 = TileShape<4, 32, 3>;
+using Tile64Wgmma = TileShape<4, 32, 3, true>;  // 64 rows on sm_90a
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 constexpr int kAttentionSmemBytes =
-    cmax(cmax(Tile32::BYTES, Tile64::BYTES), NarrowShape64x3::BYTES);
+    cmax(cmax(cmax(Tile32::BYTES, Tile64::BYTES), Tile64Wgmma::BYTES), NarrowShape64x3::BYTES);
 static_assert(kAttentionSmemBytes <= 227 * 1024, "one block per SM must fit");
 
 template <typename T, typename Shape>
@@ -80,6 +104,7 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int rows = u.q_len * hb;
+  if constexpr (Shape::ALIGN > 16) smem += (Shape::ALIGN - (smem_addr(smem) & (Shape::ALIGN - 1))) & (Shape::ALIGN - 1);
 
   const uint32_t s_q = smem_addr(smem + Shape::Q_OFF);
   const uint32_t s_kv = smem_addr(smem + Shape::KV_OFF);
@@ -107,7 +132,7 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
                    : (const void*)(q_pe + tok_head * kDimKpe + (c - 64) * 8);
       bytes = 16;
     }
-    cp_async16(s_q + r * kRowBytes + c * 16, src, bytes);
+    cp_async16(s_q + Shape::template chunk_offset<MP>(r, c), src, bytes);
   }
 
   // ---- key gather: thread -> (key kl = pass*32 + tid/8, chunks tid%8 + 8i) ----
@@ -143,10 +168,11 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
       const T* src_c = ckv + slot * kDimCkv;
       const T* src_r = kpe + slot * kDimKpe;
       const int bytes = ok ? 16 : 0;
-      const uint32_t dst = s_kv + (stage * BK + kl) * kRowBytes;
+      const uint32_t dst = s_kv + stage * Shape::STAGE_BYTES;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) cp_async16(dst + (sub + 8 * i) * 16, src_c + (sub + 8 * i) * 8, bytes);
-      cp_async16(dst + (64 + sub) * 16, src_r + sub * 8, bytes);
+      for (int i = 0; i < 8; ++i)
+        cp_async16(dst + Shape::template chunk_offset<BK>(kl, sub + 8 * i), src_c + (sub + 8 * i) * 8, bytes);
+      cp_async16(dst + Shape::template chunk_offset<BK>(kl, 64 + sub), src_r + sub * 8, bytes);
       if (sub == 0) key_ok[stage * BK + kl] = ok;
     }
   };
@@ -195,11 +221,12 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
   // NT==2 -> two key octets, two k8 slices (one k-step).
   const int kb_key = NT == 1 ? kg * KW + (lane & 7) : kg * KW + (lane & 7) + (lane >> 4) * 8;
   const int kb_col = NT == 1 ? (lane >> 3) * 8 : ((lane >> 3) & 1) * 8;
-  // B operand of PV (keys as k, transposed load): keys a_row, columns warp*64 + a_col.
+  // A operand of PV (P, row-major): rows a_row, keys a_col.
   const uint32_t p_lane = s_p + a_row * (Shape::P_STRIDE * 2) + a_col * 2;
 
   for (int blk = 0; blk < num_blocks; ++blk) {
     cp_async_wait<STAGES - 2>();
+    if constexpr (Shape::WGMMA) fence_proxy_async_shared();  // the keys (and queries) reach wgmma's reads
     __syncthreads();  // block blk landed for everyone; block blk-1 fully consumed
     {
       const int nb = blk + STAGES - 1;  // refill the stage block blk-1 used
@@ -208,53 +235,78 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
       cp_async_commit();
     }
     const int stage = blk % STAGES;
-    const uint32_t s_k = s_kv + stage * BK * kRowBytes;
+    const uint32_t s_k = s_kv + stage * Shape::STAGE_BYTES;
     const int key0 = kv_begin + blk * BK;
 
     // ---- S = Q K^T for this warp's rows and keys ----
     float sc[NT][4];
+    float mx[2] = {-INFINITY, -INFINITY};
     if (s_warp) {
-      float acc[2][NT][4];
+      if constexpr (Shape::WGMMA) {
+        // Warpgroup 0: 36 k16 steps of m64n32k16, Q and K read by descriptor.
+        float acc[16];
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+        const uint64_t dq = sw128_desc(s_q), dk = sw128_desc(s_k);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kDimKey / 16; ++ks) {
+          const uint32_t q_off = (ks >> 2) * (MP * 128) + (ks & 3) * 32;  // panel, then 32 B per k16 step
+          const uint32_t k_off = (ks >> 2) * (BK * 128) + (ks & 3) * 32;
+          wgmma_m64n32k16<T>(acc, dq + (q_off >> 4), dk + (k_off >> 4));
+        }
+        wgmma_commit();
+        wgmma_wait_all();
+        fence_registers(acc);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[h][nt][e] = 0.f;
-      const uint32_t k_lane = s_k + kb_key * kRowBytes + kb_col * 2;
-      if constexpr (NT == 1) {
-#pragma unroll 6
-        for (int j = 0; j < kDimKey / 32; ++j) {
-          uint32_t kb[4], qa[4], qb[4];
-          ldmatrix_x4(kb, k_lane + j * 64);
-          ldmatrix_x4(qa, q_lane + j * 64);
-          ldmatrix_x4(qb, q_lane + j * 64 + 32);
-          mma_16816<T>(acc[0][0], qa, kb[0], kb[1]);
-          mma_16816<T>(acc[1][0], qb, kb[2], kb[3]);
-        }
+          for (int e = 0; e < 4; ++e) sc[nt][e] = acc[4 * nt + e];
       } else {
-#pragma unroll 6
-        for (int j = 0; j < kDimKey / 32; ++j) {
+        float acc[2][NT][4];
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            uint32_t kb[4], qa[4];
-            ldmatrix_x4(kb, k_lane + j * 64 + h * 32);
-            ldmatrix_x4(qa, q_lane + j * 64 + h * 32);
-            mma_16816<T>(acc[h][0], qa, kb[0], kb[1]);
-            mma_16816<T>(acc[h][1], qa, kb[2], kb[3]);
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[h][nt][e] = 0.f;
+        const uint32_t k_lane = s_k + kb_key * kRowBytes + kb_col * 2;
+        if constexpr (NT == 1) {
+#pragma unroll 6
+          for (int j = 0; j < kDimKey / 32; ++j) {
+            uint32_t kb[4], qa[4], qb[4];
+            ldmatrix_x4(kb, k_lane + j * 64);
+            ldmatrix_x4(qa, q_lane + j * 64);
+            ldmatrix_x4(qb, q_lane + j * 64 + 32);
+            mma_16816<T>(acc[0][0], qa, kb[0], kb[1]);
+            mma_16816<T>(acc[1][0], qb, kb[2], kb[3]);
+          }
+        } else {
+#pragma unroll 6
+          for (int j = 0; j < kDimKey / 32; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              uint32_t kb[4], qa[4];
+              ldmatrix_x4(kb, k_lane + j * 64 + h * 32);
+              ldmatrix_x4(qa, q_lane + j * 64 + h * 32);
+              mma_16816<T>(acc[h][0], qa, kb[0], kb[1]);
+              mma_16816<T>(acc[h][1], qa, kb[2], kb[3]);
+            }
           }
         }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[nt][e] = acc[0][nt][e] + acc[1][nt][e];
       }
-      // Scale, mask, and this warp's row maxima.
-      float mx[2] = {-INFINITY, -INFINITY};
+      // Scale, mask, and this warp's row maxima (a row's keys sit in four lanes).
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int kl = kg * KW + nt * 8 + 2 * t4 + (e & 1);
           const bool vis = key_ok[stage * BK + kl] != 0 && key0 + kl < row_limit[e >> 1];
-          const float s = (acc[0][nt][e] + acc[1][nt][e]) * p.scale_log2;
-          sc[nt][e] = vis ? s : -INFINITY;
+          sc[nt][e] = vis ? sc[nt][e] * p.scale_log2 : -INFINITY;
           mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
         }
       }
@@ -262,18 +314,20 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
       for (int e = 0; e < 2; ++e) {
         mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
         mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
-        if (t4 == 0) red_max[kg * MP + r_s[e]] = mx[e];
+        if (KG > 1 && t4 == 0) red_max[kg * MP + r_s[e]] = mx[e];
       }
     }
-    __syncthreads();  // row maxima of all key groups visible
+    if constexpr (KG > 1) __syncthreads();  // row maxima of all key groups visible
 
     // ---- softmax: P = 2^(S - m), running max and (per-thread partial) sums ----
     if (s_warp) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float m_blk = -INFINITY;
+        float m_blk = mx[e];
+        if constexpr (KG > 1) {
 #pragma unroll
-        for (int k = 0; k < KG; ++k) m_blk = fmaxf(m_blk, red_max[k * MP + r_s[e]]);
+          for (int k = 0; k < KG; ++k) m_blk = fmaxf(m_blk, red_max[k * MP + r_s[e]]);
+        }
         const float m_new = fmaxf(m_run[e], m_blk);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no key seen yet: keep zeros, no NaN
         const float alpha = fast_exp2(m_run[e] - m_use);
@@ -310,7 +364,9 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
         o[mt][nt][3] *= a1;
       }
     }
-    const uint32_t v_lane = s_k + a_row * kRowBytes + (warp * 64 + a_col) * 2;
+    // V rows: keys ks*16 + a_row, columns warp*64 + np*16 + a_col (panel `warp` when swizzled).
+    const uint32_t v_lane = Shape::WGMMA ? s_k + warp * (BK * 128) + a_row * 128
+                                         : s_k + a_row * kRowBytes + (warp * 64 + a_col) * 2;
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ++ks) {
       uint32_t pa[MT][4];
@@ -319,7 +375,11 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t vb[4];
-        ldmatrix_x4_trans(vb, v_lane + ks * 16 * kRowBytes + np * 32);
+        if constexpr (Shape::WGMMA) {
+          ldmatrix_x4_trans(vb, v_lane + ks * 16 * 128 + (((2 * np + (lane >> 4)) ^ (lane & 7)) << 4));
+        } else {
+          ldmatrix_x4_trans(vb, v_lane + ks * 16 * kRowBytes + np * 32);
+        }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma_16816<T>(o[mt][2 * np], pa[mt], vb[0], vb[1]);
@@ -397,7 +457,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_attention_kernel(const Proble
   } else if (rows <= 32) {
     attend_unit<T, Tile32>(p, u, h0, hb, smem);
   } else {
+#ifdef JAX_MLA_HAS_WGMMA
+    attend_unit<T, Tile64Wgmma>(p, u, h0, hb, smem);
+#else
     attend_unit<T, Tile64>(p, u, h0, hb, smem);
+#endif
   }
 }
 

@@ -184,6 +184,80 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// ---- Hopper warpgroup MMA (sm_90a only; callers guard with JAX_MLA_HAS_WGMMA) ----
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAX_MLA_HAS_WGMMA 1
+#endif
+
+// Shared-memory matrix descriptor of a K-major operand stored in the 128-byte
+// swizzle: rows of 64 elements (128 B), 16-byte chunk j of row r at j ^ (r & 7),
+// groups of 8 rows 1024 B apart, every group 1024-byte aligned. Advancing along
+// K inside the 128-byte row is adding the byte offset to the start address.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_byte_addr) {
+  uint64_t d = (uint64_t)((smem_byte_addr & 0x3FFFF) >> 4);  // start address
+  d |= (uint64_t)1 << 16;                                     // leading offset: unused when swizzled
+  d |= (uint64_t)(1024 >> 4) << 32;                           // stride offset: 8 rows x 128 B
+  d |= (uint64_t)1 << 62;                                     // 128-byte swizzle
+  return d;
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// Keeps the compiler from moving accumulator reads above the wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// cp.async / st.shared writes become visible to the async proxy (wgmma operand reads).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// D(64 x 32, fp32) += A(64 x 16) * B(32 x 16)^T, both K-major in shared memory.
+// Warp w of the warpgroup holds rows 16w + g and 16w + g + 8 (g = lane / 4) in the
+// mma.sync C layout: d[4n + e] is column 8n + 2 (lane % 4) + (e & 1).
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n32k16(float (&d)[16], uint64_t desc_a, uint64_t desc_b);
+
+#define JAX_MLA_WGMMA_M64N32K16(TYPE)                                                                          \
+  asm volatile(                                                                                               \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                              \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                                             \
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),       \
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])  \
+      : "l"(desc_a), "l"(desc_b), "r"(1))
+
+template <>
+__device__ __forceinline__ void wgmma_m64n32k16<__nv_bfloat16>(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
+#ifdef JAX_MLA_HAS_WGMMA
+  JAX_MLA_WGMMA_M64N32K16("bf16");
+#endif
+}
+template <>
+__device__ __forceinline__ void wgmma_m64n32k16<__half>(float (&d)[16], uint64_t desc_a, uint64_t desc_b) {
+#ifdef JAX_MLA_HAS_WGMMA
+  JAX_MLA_WGMMA_M64N32K16("f16");
+#endif
+}
+#undef JAX_MLA_WGMMA_M64N32K16
+
 // Programmatic dependent launch (sm_90+; no-ops elsewhere): the primary grid
 // lets its dependent start early, the dependent waits for the primary's memory.
 __device__ __forceinline__ void allow_dependent_launch() {

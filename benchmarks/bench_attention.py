@@ -8,9 +8,13 @@ random page tables, random normal data):
 * ours: K calls of the op inside one jit, recorded by XLA into a command buffer
   (XLA_FLAGS below, unless set) (each call on its own query array and
   cycling over enough cache copies that the working set is several times the
-  L2), wall time of the whole jit to completion, median over repetitions;
-  per-call time = (t(K2) - t(K1)) / (K2 - K1), which removes the fixed cost
-  of dispatching the jit.
+  L2). Device time: the jit runs under JAX's profiler, whose CUPTI kernel
+  timestamps give each chain's span on the device, from the start of its first
+  kernel to the end of its last; per call = span / K, median over repetitions.
+  Also recorded ("chain wall"): wall time per call, (t(K2) - t(K1)) / (K2 - K1)
+  of two jits, which adds the host's per-argument cost of a K-call jit (each
+  call brings its own query arrays and outputs: 10-40 us per call on the H200
+  machine, measured 2026-11-29) and is what the device-time column leaves out.
 * FlashInfer (when importable): BatchMLAPagedAttentionWrapper on the same
   arrays (shared through DLPack), K calls captured in a CUDA graph (eager if
   capture fails), CUDA events, median over repetitions.
@@ -34,10 +38,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,CUSTO
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
+import glob  # noqa: E402
+import gzip  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -161,6 +169,49 @@ def time_ours(inp: Inputs, plan, k1, k2, reps=9):
     t1 = _wall_median(f1, a1, reps)
     t2 = _wall_median(f2, a2, reps)
     return max(t2 - t1, 1e-9) / (k2 - k1)
+
+
+def _trace_kernels(trace_dir):
+    """Complete events of the Perfetto trace JAX's profiler wrote under trace_dir (None if none)."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
+    if not paths:
+        return None
+    with gzip.open(paths[-1], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+
+
+def device_time_ours(inp: Inputs, plan, k, reps=7):
+    """Seconds per call on the device (module docstring), or None without kernel timestamps."""
+    f = _chain(k, inp.n_sets)
+    a = (inp.q_nope[:k], inp.q_pe[:k], inp.ckv, inp.kpe, inp.page_table, inp.kv_lens, plan)
+    jax.block_until_ready(f(*a))
+    d = tempfile.mkdtemp(prefix="jax_mla_trace_")
+    try:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(reps):
+                jax.block_until_ready(f(*a))
+        events = _trace_kernels(d)
+    except Exception as e:  # no profiler plugin / CUPTI: the caller falls back to wall time
+        print(f"  device trace unavailable: {type(e).__name__}: {e}", flush=True)
+        events = None
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    if not events:
+        return None
+    ours = sorted((e for e in events if "mla_attention_kernel" in e["name"] or "mla_merge_kernel" in e["name"]),
+                  key=lambda e: e["ts"])
+    starts = [e["ts"] for e in ours if "mla_attention_kernel" in e["name"]]
+    if len(starts) != k * reps:
+        return None
+    spans = []
+    for r in range(reps):
+        lo = starts[r * k]
+        hi = starts[(r + 1) * k] if r + 1 < reps else math.inf
+        end = max(e["ts"] + e["dur"] for e in ours if lo <= e["ts"] < hi)
+        spans.append((end - lo) / k)
+    return statistics.median(spans) * 1e-6
 
 
 def ours_output(inp: Inputs, plan):
@@ -288,7 +339,10 @@ def bench_shape(s, peers, copy_bps, sweep_targets=None):
                d_ckv=D_CKV, d_kpe=D_KPE, flops=flops, bytes=nbytes, calls=[k1, k2], cache_sets=inp.n_sets)
     plan = inp.plan()
     rec["plan"] = plan.describe()
-    rec["ours_us"] = time_ours(inp, plan, k1, k2) * 1e6
+    rec["ours_wall_us"] = time_ours(inp, plan, k1, k2) * 1e6
+    dev_s = device_time_ours(inp, plan, k2)
+    rec["ours_timing"] = "device" if dev_s is not None else "wall"
+    rec["ours_us"] = dev_s * 1e6 if dev_s is not None else rec["ours_wall_us"]
     ours = np.asarray(ours_output(inp, plan).astype(jnp.float32))
     for name, peer in peers.items():
         try:
@@ -304,7 +358,8 @@ def bench_shape(s, peers, copy_bps, sweep_targets=None):
             tgt = PlanTarget(num_workers=default_target().num_workers, units_per_worker=upw, min_chunk=mc,
                              chunk_align=64, unit_overhead=ov)
             p = inp.plan(tgt)
-            us = time_ours(inp, p, k1, k2, reps=7) * 1e6
+            dev_s = device_time_ours(inp, p, k2, reps=5)
+            us = (dev_s if dev_s is not None else time_ours(inp, p, k1, k2, reps=7)) * 1e6
             rec["sweep"].append(dict(units_per_worker=upw, min_chunk=mc, unit_overhead=ov, us=us,
                                      plan=p.describe()))
     del inp
@@ -317,8 +372,8 @@ def fmt(x, spec):
 
 def table(records, copy_bps):
     lines = ["| shape (B x L, heads, page, q_len) | ours us | GB/s | TFLOP/s | fa2 us | fa3 us | fa3/ours | "
-             "% copy ceiling | target | met |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "% copy ceiling | target | met | ours chain wall us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         s = (r["batch"], r["kv_len"], r["heads"], r["page_size"], r["q_len"])
         us = r["ours_us"]
@@ -335,7 +390,7 @@ def table(records, copy_bps):
             tgt_s = f"{'<=' if unit == 'us' else '>='} {bound:g} {unit}"
         lines.append(f"| {shape_name(s)} | {us:.1f} | {gbs:.0f} | {tfs:.1f} | {fmt(r.get('fa2_us'), '.1f')} | "
                      f"{fmt(fa3, '.1f')} | {fmt(fa3 / us if fa3 else None, '.2f')} | "
-                     f"{100 * gbs * 1e9 / copy_bps:.0f}% | {tgt_s} | {met} |")
+                     f"{100 * gbs * 1e9 / copy_bps:.0f}% | {tgt_s} | {met} | {fmt(r.get('ours_wall_us'), '.1f')} |")
     return "\n".join(lines)
 
 
@@ -402,7 +457,8 @@ def main():
         t0 = time.time()
         rec = bench_shape(s, peers, copy_bps)
         records.append(rec)
-        print(f"{shape_name(s)}: ours {rec['ours_us']:.1f} us, fa2 {fmt(rec.get('fa2_us'), '.1f')}, "
+        print(f"{shape_name(s)}: ours {rec['ours_us']:.1f} us ({rec['ours_timing']}; chain wall "
+              f"{rec['ours_wall_us']:.1f}), fa2 {fmt(rec.get('fa2_us'), '.1f')}, "
               f"fa3 {fmt(rec.get('fa3_us'), '.1f')} ({time.time() - t0:.0f} s) {rec['plan']}", flush=True)
 
     sweep = []
@@ -420,8 +476,11 @@ def main():
                 matmul_TFLOPs=peak / 1e12 if peak else None, default_target=str(default_target()),
                 flashinfer=peers["fa2"].version if peers else None,
                 command="python3 benchmarks/bench_attention.py " + " ".join(sys.argv[1:]),
-                method="ours: jit of K calls in an XLA command buffer, (t(K2)-t(K1))/(K2-K1), wall clock, median of 9; "
-                       "flashinfer: CUDA graph of K calls, events, median of 9; copy: 1 GiB D2D, events")
+                method="ours_us: jit of K calls in an XLA command buffer under jax.profiler, device span of each "
+                       "chain (first kernel start to last kernel end, CUPTI) / K, median of 7 (ours_timing says "
+                       "'wall' where no trace was available); ours_wall_us: (t(K2)-t(K1))/(K2-K1) of two such "
+                       "jits, wall clock, median of 9; flashinfer: CUDA graph of K calls, events, median of 9; "
+                       "copy: 1 GiB D2D, events")
     with open(os.path.join(args.out, "h200.json"), "w") as f:
         json.dump(dict(meta=meta, records=records, sweep=sweep), f, indent=1)
     with open(os.path.join(args.out, "bench.md"), "w") as f:

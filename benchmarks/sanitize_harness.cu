@@ -7,6 +7,10 @@
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
 //        benchmarks/sanitize_harness.cu -o /tmp/mla_harness
 //   /tmp/mla_harness case0.bin [case1.bin ...]   (writes caseN.bin.out)
+//   /tmp/mla_harness --time timeN.bin ...         (device time per call of the op,
+//        of its attention kernel alone, its merge kernel alone and of an empty
+//        kernel: CUDA graphs of 20 calls on random device data, caches rotated)
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -34,6 +38,9 @@ template <>
 __half from_float_host<__half>(float x) { return __float2half(x); }
 template <>
 float from_float_host<float>(float x) { return x; }
+
+template <typename T>
+__device__ T from_float_host_dev(float x) { return from_float<T>(x); }
 
 template <typename T>
 static float to_float_host(T x);
@@ -94,6 +101,121 @@ static void run(Problem p, const std::vector<float>& qn, const std::vector<float
   CHECK(cudaStreamDestroy(stream));
 }
 
+
+// ---- timing mode ----------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+template <typename T>
+__global__ void fill_random(T* x, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const uint32_t h = mix32((uint32_t)i * 0x9e3779b9U ^ mix32(seed + (uint32_t)(i >> 32)));
+    x[i] = from_float_host_dev<T>((float)(h >> 8) * (4.0f / 16777216.0f) - 2.0f);
+  }
+}
+
+__global__ void empty_kernel() {}
+
+template <typename T>
+static T* device_random(size_t n, uint32_t seed) {
+  T* d = nullptr;
+  CHECK(cudaMalloc(&d, std::max<size_t>(n, 1) * sizeof(T)));
+  fill_random<T><<<1024, 256>>>(d, n, seed);
+  CHECK(cudaGetLastError());
+  return d;
+}
+
+// Median device time per call of `calls` enqueued `n` times in one CUDA graph.
+template <typename F>
+static float graph_us(cudaStream_t stream, int n, F calls) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < n; ++i) calls(i);
+  CHECK(cudaStreamEndCapture(stream, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  std::vector<float> ms;
+  for (int r = 0; r < 12; ++r) {
+    CHECK(cudaEventRecord(a, stream));
+    CHECK(cudaGraphLaunch(exec, stream));
+    CHECK(cudaEventRecord(b, stream));
+    CHECK(cudaEventSynchronize(b));
+    float t = 0.f;
+    CHECK(cudaEventElapsedTime(&t, a, b));
+    if (r >= 3) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  return ms[ms.size() / 2] * 1000.f / n;
+}
+
+template <typename T>
+static void time_case(Problem p, const char* name) {
+  const size_t n_ckv = (size_t)p.num_pages * p.page_size * kDimCkv, n_kpe = (size_t)p.num_pages * p.page_size * kDimKpe;
+  const size_t cache_bytes = (n_ckv + n_kpe) * sizeof(T);
+  const int sets = (int)std::min<size_t>(8, std::max<size_t>(1, (size_t)(256u << 20) / std::max<size_t>(cache_bytes, 1) + 1));
+  std::vector<Problem> ps(sets, p);
+  const size_t n_q = (size_t)p.num_tokens * p.num_heads;
+  for (int s = 0; s < sets; ++s) {
+    ps[s].ckv = device_random<T>(n_ckv, 17 * s + 1);
+    ps[s].kpe = device_random<T>(n_kpe, 17 * s + 2);
+    ps[s].q_nope = device_random<T>(n_q * kDimCkv, 17 * s + 3);
+    ps[s].q_pe = device_random<T>(n_q * kDimKpe, 17 * s + 4);
+  }
+  void *out, *lse, *po, *pl;
+  CHECK(cudaMalloc(&out, n_q * kDimCkv * sizeof(T)));
+  CHECK(cudaMalloc(&lse, n_q * sizeof(float)));
+  CHECK(cudaMalloc(&po, std::max(1, p.num_partial_rows) * (size_t)p.num_heads * kDimCkv * sizeof(float)));
+  CHECK(cudaMalloc(&pl, std::max(1, p.num_partial_rows) * (size_t)p.num_heads * sizeof(float)));
+  for (auto& q : ps) {
+    q.out = out;
+    q.lse = static_cast<float*>(lse);
+    q.partial_o = static_cast<float*>(po);
+    q.partial_lse = static_cast<float*>(pl);
+  }
+  CHECK(cudaDeviceSynchronize());
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const int n = 20, merge_grid = 4 * sm_count();
+  for (int s = 0; s < sets; ++s) CHECK(launch<T>(ps[s], stream, merge_grid));  // warm up, opt-ins outside capture
+  CHECK(cudaStreamSynchronize(stream));
+  const float full = graph_us(stream, n, [&](int i) { CHECK(launch<T>(ps[i % sets], stream, merge_grid)); });
+  const float attn = graph_us(stream, n, [&](int i) { CHECK(launch_attention<T>(ps[i % sets], stream)); });
+  const float merge = graph_us(stream, n, [&](int i) { CHECK(launch_merge<T>(ps[i % sets], stream, merge_grid)); });
+  const float empty = graph_us(stream, n, [&](int) { empty_kernel<<<132, 256, 0, stream>>>(); });
+  // The op with other merge grids, and with the merge as an ordinary launch (no PDL).
+  float grid_us[3];
+  const int grids[3] = {sm_count(), 2 * sm_count(), 8 * sm_count()};
+  for (int g = 0; g < 3; ++g)
+    grid_us[g] = graph_us(stream, n, [&](int i) { CHECK(launch<T>(ps[i % sets], stream, grids[g])); });
+  const float no_pdl = graph_us(stream, n, [&](int i) {
+    CHECK(launch_attention<T>(ps[i % sets], stream));
+    mla_merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(ps[i % sets]);
+    CHECK(cudaGetLastError());
+  });
+  std::printf("time %s (W=%d M=%d sets=%d): op %.1f us | attention alone %.1f | merge alone %.1f | empty kernel %.1f"
+              " | op with merge grid %d/%d/%d: %.1f/%.1f/%.1f | op without PDL %.1f\n",
+              name, p.num_work, p.num_merge, sets, full, attn, merge, empty, grids[0], grids[1], grids[2], grid_us[0],
+              grid_us[1], grid_us[2], no_pdl);
+  for (auto& q : ps)
+    for (const void* ptr : {q.q_nope, q.q_pe, q.ckv, q.kpe}) CHECK(cudaFree(const_cast<void*>(ptr)));
+  for (void* ptr : {out, lse, po, pl}) CHECK(cudaFree(ptr));
+  CHECK(cudaStreamDestroy(stream));
+}
+
 template <typename T>
 static std::vector<T> take(FILE* f, size_t n) {
   std::vector<T> v(n);
@@ -105,15 +227,17 @@ static std::vector<T> take(FILE* f, size_t n) {
 }
 
 int main(int argc, char** argv) {
-  for (int a = 1; a < argc; ++a) {
+  const bool timing = argc > 1 && std::string(argv[1]) == "--time";
+  for (int a = timing ? 2 : 1; a < argc; ++a) {
     FILE* f = std::fopen(argv[a], "rb");
     if (!f) return 2;
     const auto h = take<int32_t>(f, 16);
     const float scale = take<float>(f, 1)[0];
     const int dtype = h[1], T = h[2], H = h[3], P = h[4], ps = h[5], R = h[6], maxp = h[7], nkv = h[8], W = h[9],
               M = h[10], Pp = h[11];
-    const auto qn = take<float>(f, (size_t)T * H * kDimCkv), qp = take<float>(f, (size_t)T * H * kDimKpe);
-    const auto ckv = take<float>(f, (size_t)P * ps * kDimCkv), kpe = take<float>(f, (size_t)P * ps * kDimKpe);
+    const bool data = h[12] == 0;  // timing cases carry no arrays: data is drawn on the device
+    const auto qn = take<float>(f, data ? (size_t)T * H * kDimCkv : 0), qp = take<float>(f, data ? (size_t)T * H * kDimKpe : 0);
+    const auto ckv = take<float>(f, data ? (size_t)P * ps * kDimCkv : 0), kpe = take<float>(f, data ? (size_t)P * ps * kDimKpe : 0);
     const auto pt = take<int32_t>(f, (size_t)R * maxp), kvl = take<int32_t>(f, nkv);
     const auto work = take<int32_t>(f, (size_t)W * 8), merge = take<int32_t>(f, (size_t)M * 4);
     std::fclose(f);
@@ -138,6 +262,12 @@ int main(int argc, char** argv) {
     p.capacity = maxp * ps;
     p.scale_log2 = scale * kLog2e;
     const std::string out_path = std::string(argv[a]) + ".out";
+    if (timing) {
+      if (dtype == 0) time_case<__nv_bfloat16>(p, argv[a]);
+      else time_case<__half>(p, argv[a]);
+      for (const int32_t* ptr : {p.page_table, p.kv_lens, p.work, p.merge}) CHECK(cudaFree(const_cast<int32_t*>(ptr)));
+      continue;
+    }
     if (dtype == 0) run<__nv_bfloat16>(p, qn, qp, ckv, kpe, out_path.c_str());
     else if (dtype == 1) run<__half>(p, qn, qp, ckv, kpe, out_path.c_str());
     else run<float>(p, qn, qp, ckv, kpe, out_path.c_str());

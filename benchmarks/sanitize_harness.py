@@ -56,6 +56,33 @@ PROFILE_CASES = [
 ]
 
 
+# The benchmark's target shapes for the driver's timing mode (--time): plan only,
+# with the op's default target on an H200 (planner.default_target); the driver draws the data on the device.
+TIMING_CASES = [  # batch, kv_len, heads, page_size
+    (1, 32768, 16, 64), (32, 4096, 16, 64), (128, 4096, 16, 64), (128, 4096, 16, 1), (128, 4096, 128, 64),
+]
+
+
+def make_timing(d):
+    os.makedirs(d, exist_ok=True)
+    rng = np.random.default_rng(5)
+    for k, (b, l, h, ps) in enumerate(TIMING_CASES):
+        per = -(-l // ps)
+        table = rng.permutation(b * per).astype(np.int32).reshape(b, per)
+        kv = np.full(b, l, np.int32)
+        plan = plan_mla(np.ones(b, np.int64), kv, num_heads=h, page_size=ps, max_pages_per_request=per,
+                        target=PlanTarget(num_workers=132, units_per_worker=1.0, min_chunk=256, chunk_align=64))
+        hdr = np.zeros(16, np.int32)
+        hdr[:13] = (0x4D4C4131, 0, b, h, b * per, ps, b, per, b, plan.work.shape[0], plan.merge.shape[0],
+                    plan.num_partial_rows, 1)
+        with open(os.path.join(d, f"time{k}_{b}x{l}_h{h}_ps{ps}.bin"), "wb") as f:
+            f.write(hdr.tobytes())
+            f.write(np.float32(SCALE).tobytes())
+            for a in (table, kv, plan.work, plan.merge):
+                f.write(np.ascontiguousarray(a, np.int32).tobytes())
+        print(f"time{k}: {b}x{l} h{h} ps{ps}: {plan.describe()}")
+
+
 def make(d, cases=None, target=SPLIT):
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(11)
@@ -146,6 +173,8 @@ def check(d):
 
 if __name__ == "__main__":
     cmd, d = sys.argv[1], sys.argv[2]
+    if cmd == "timing":
+        sys.exit(make_timing(d))
     if cmd == "profile":
         sys.exit(make(d, PROFILE_CASES, PlanTarget(num_workers=132, units_per_worker=1.0, min_chunk=256,
                                                     chunk_align=64, unit_overhead=128)))

@@ -4,7 +4,7 @@
 # racecheck) on benchmarks/sanitize_case.py, and the benchmark. Logs, the
 # benchmark JSON and the roofline land in $OUT (default /tmp/jax_mla_out).
 #
-#   scripts/gpu_check.sh [build] [decode] [check|quickcheck] [test] [sanitize] [bench] [sweep]
+#   scripts/gpu_check.sh [build] [decode] [check|quickcheck] [test] [sanitize] [timing] [bench] [sweep]
 #   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests)
 #
 # FlashInfer 0.2.5 for the benchmark's peers: its sdist in .peer/ (git-ignored;
@@ -102,6 +102,17 @@ if has sanitize && [ $built -eq 0 ]; then
     echo "compute-sanitizer memcheck (JAX) exit $?" | tee -a "$LOGS/summary.txt"
     tail -6 "$LOGS/sanitizer_jax_memcheck.log"
   fi
+fi
+
+if has timing && [ $built -eq 0 ]; then
+  # The target shapes through the standalone driver: device time per call of the op, of each of its
+  # kernels alone and with other merge grids, CUDA graphs and events (no JAX).
+  note "driver timing"
+  nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
+    benchmarks/sanitize_harness.cu -o /tmp/mla_harness > "$LOGS/harness_build.log" 2>&1 || status=1
+  JAX_PLATFORMS=cpu python3 benchmarks/sanitize_harness.py timing /tmp/mla_timing > "$LOGS/timing_cases.log" 2>&1
+  timeout 240 /tmp/mla_harness --time /tmp/mla_timing/time*.bin 2>&1 | tee "$LOGS/timing.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 [ -n "$fi_pid" ] && { wait $fi_pid; tail -4 "$LOGS/flashinfer_setup.log"; }

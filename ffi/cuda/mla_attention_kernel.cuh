@@ -451,10 +451,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_attention_kernel(const Proble
   const int hb = min(kRowsPerTile, p.num_heads - h0);
   const int rows = u.q_len * hb;
   if (rows > kRowsPerTile) return;  // cannot happen with q_len <= q_tile; keeps tiles in bounds
-  if (rows > 16) finish_unit(p, u);  // the narrow body finishes it after its first loads
   if (rows <= 16) {
-    attend_unit_narrow<T, NarrowShape64x3>(p, u, h0, hb, smem);
-  } else if (rows <= 32) {
+    attend_unit_narrow<T, NarrowShape64x3>(p, u, h0, hb, smem);  // finishes the unit after its first loads
+    return;
+  }
+  finish_unit(p, u);
+  if (rows <= 32) {
     attend_unit<T, Tile32>(p, u, h0, hb, smem);
   } else {
 #ifdef JAX_MLA_HAS_WGMMA

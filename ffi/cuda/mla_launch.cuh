@@ -47,35 +47,36 @@ inline bool supports_dependent_launch() {
   return major >= 9;
 }
 
-// Attention kernel (one block per work unit and head block), then the merge
-// kernel (split partials, padding tokens). Enqueues only: no sync, no alloc.
+// The attention kernel: one block per work unit and head block.
 template <typename T>
-inline cudaError_t launch(const Problem& p, cudaStream_t stream, int merge_grid) {
+inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
   const int blocks = p.num_work * p.head_blocks;
-  if (blocks > 0) {
-    if constexpr (std::is_same_v<T, float>) {
-      mla_attention_f32_kernel<<<blocks, kThreads, 0, stream>>>(p);
-    } else {
-      // Opt in to > 48 KiB of shared memory, once per device (legal during capture too).
-      static std::atomic<bool> raised[kMaxDevices] = {};
-      int device = 0;
-      cudaError_t err = cudaGetDevice(&device);
-      if (err != cudaSuccess) return err;
-      if (device < 0 || device >= kMaxDevices || !raised[device].load(std::memory_order_acquire)) {
-        err = cudaFuncSetAttribute(mla_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   kAttentionSmemBytes);
-        if (err != cudaSuccess) return err;
-        if (device >= 0 && device < kMaxDevices) raised[device].store(true, std::memory_order_release);
-      }
-      mla_attention_kernel<T><<<blocks, kThreads, kAttentionSmemBytes, stream>>>(p);
-    }
-    cudaError_t err = cudaGetLastError();
+  if (blocks <= 0) return cudaSuccess;
+  if constexpr (std::is_same_v<T, float>) {
+    mla_attention_f32_kernel<<<blocks, kThreads, 0, stream>>>(p);
+  } else {
+    // Opt in to > 48 KiB of shared memory, once per device (legal during capture too).
+    static std::atomic<bool> raised[kMaxDevices] = {};
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
+    if (device < 0 || device >= kMaxDevices || !raised[device].load(std::memory_order_acquire)) {
+      err = cudaFuncSetAttribute(mla_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 kAttentionSmemBytes);
+      if (err != cudaSuccess) return err;
+      if (device >= 0 && device < kMaxDevices) raised[device].store(true, std::memory_order_release);
+    }
+    mla_attention_kernel<T><<<blocks, kThreads, kAttentionSmemBytes, stream>>>(p);
   }
-  // The merge kernel is a programmatic dependent launch on sm_90+: its blocks
-  // start as attention blocks retire and wait (griddepcontrol.wait) for the
-  // whole attention grid, which hides its launch latency behind the tail of
-  // the attention kernel.
+  return cudaGetLastError();
+}
+
+// The merge kernel (split partials, padding tokens): a programmatic dependent
+// launch on sm_90+, so its blocks start as attention blocks retire and wait
+// (griddepcontrol.wait) for the whole attention grid, which hides its launch
+// latency behind the tail of the attention kernel.
+template <typename T>
+inline cudaError_t launch_merge(const Problem& p, cudaStream_t stream, int merge_grid) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(merge_grid);
   cfg.blockDim = dim3(kThreads);
@@ -87,6 +88,14 @@ inline cudaError_t launch(const Problem& p, cudaStream_t stream, int merge_grid)
   cfg.attrs = attr;
   cfg.numAttrs = supports_dependent_launch() ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, mla_merge_kernel<T>, p);
+}
+
+// The op: attention, then merge. Enqueues only: no sync, no alloc.
+template <typename T>
+inline cudaError_t launch(const Problem& p, cudaStream_t stream, int merge_grid) {
+  const cudaError_t err = launch_attention<T>(p, stream);
+  if (err != cudaSuccess) return err;
+  return launch_merge<T>(p, stream, merge_grid);
 }
 
 }  // namespace cuda

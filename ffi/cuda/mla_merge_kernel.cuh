@@ -14,7 +14,8 @@
 // the merge table (each warp does the same scan, so no barrier is needed to
 // agree on it) and dealt round-robin over a grid of a few blocks per SM: the
 // merge table is bucketed (mostly padding), and this keeps the launch the same
-// size whatever it holds.
+// size whatever it holds. The plan tables are read before the wait for the
+// attention grid, so only the partials' round trip follows its end.
 #pragma once
 
 #include "mla_common.cuh"
@@ -24,7 +25,7 @@ namespace cuda {
 
 constexpr int kMergeManySplits = 16;  // rows with more splits take four column parts
 
-__host__ __device__ constexpr int merge_parts(int splits) { return splits > kMergeManySplits ? 4 : 2; }
+__device__ constexpr int merge_parts(int splits) { return splits > kMergeManySplits ? 4 : 2; }
 
 struct MergeScratch {
   float m[kWarps];
@@ -117,13 +118,37 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
   __shared__ MergeScratch sh;
   const int tid = threadIdx.x, lane = tid & 31;
   const int grid = gridDim.x;
+  // The plan tables are inputs of the op (complete before the attention kernel
+  // started), so they are read while the attention grid still runs.
+  auto merge_rows = [&](int m0) {
+    int4 mr = make_int4(0, 0, 0, 0);
+    if (m0 + lane < p.num_merge) mr = __ldg(reinterpret_cast<const int4*>(p.merge) + m0 + lane);
+    return mr;
+  };
+  const int4 mr_first = merge_rows(0);
+  // Padding tokens are [end, T), end = one past the last token any unit covers.
+  int end = 0;
+  for (int w = tid; w < p.num_work; w += kThreads) {
+    const int4 a = __ldg(reinterpret_cast<const int4*>(p.work + (size_t)w * kWorkCols));
+    const int q_start = a.y, q_len = a.z;
+    if (q_len > 0 && q_len <= p.q_tile && q_start >= 0 && (long long)q_start + q_len <= p.num_tokens) {
+      end = max(end, q_start + q_len);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) end = max(end, __shfl_xor_sync(0xffffffffu, end, off));
+  if (lane == 0) sh.red[tid >> 5] = end;
+  __syncthreads();
+  end = 0;
+#pragma unroll
+  for (int k = 0; k < kWarps; ++k) end = max(end, sh.red[k]);
+
   wait_for_primary_grid();  // partials and direct outputs of the attention kernel are complete
 
   // ---- merges: number the tasks 32 merge rows at a time (every warp alike) ----
   long long task_base = 0;
   for (int m0 = 0; m0 < p.num_merge; m0 += 32) {
-    int4 mr = make_int4(0, 0, 0, 0);
-    if (m0 + lane < p.num_merge) mr = __ldg(reinterpret_cast<const int4*>(p.merge) + m0 + lane);
+    const int4 mr = m0 == 0 ? mr_first : merge_rows(m0);
     const long long mine = merge_row_ok(p, mr) ? (long long)mr.y * p.num_heads * merge_parts(mr.w) : 0;
     long long incl = mine;  // inclusive prefix over the lanes
 #pragma unroll
@@ -158,22 +183,7 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
     task_base += total;
   }
 
-  // ---- padding tokens: [end, T) where end is the last token any unit covers ----
-  int end = 0;
-  for (int w = tid; w < p.num_work; w += kThreads) {
-    const int4 a = __ldg(reinterpret_cast<const int4*>(p.work + (size_t)w * kWorkCols));
-    const int q_start = a.y, q_len = a.z;
-    if (q_len > 0 && q_len <= p.q_tile && q_start >= 0 && (long long)q_start + q_len <= p.num_tokens) {
-      end = max(end, q_start + q_len);
-    }
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) end = max(end, __shfl_xor_sync(0xffffffffu, end, off));
-  if ((tid & 31) == 0) sh.red[tid >> 5] = end;
-  __syncthreads();
-  end = 0;
-#pragma unroll
-  for (int k = 0; k < kWarps; ++k) end = max(end, sh.red[k]);
+  // ---- padding tokens: zeros, LSE -inf ----
   if (end >= p.num_tokens) return;
 
   constexpr int kPerVec = 16 / sizeof(T);

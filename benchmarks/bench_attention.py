@@ -13,7 +13,7 @@ random page tables, random normal data):
   kernel to the end of its last; per call = span / K, median over repetitions.
   Also recorded ("chain wall"): wall time per call, (t(K2) - t(K1)) / (K2 - K1)
   of two jits, which adds the host's per-argument cost of a K-call jit (each
-  call brings its own query arrays and outputs: 10-40 us per call on the H200
+  call brings its own query arrays and outputs: 6-38 us per call on the H200
   machine, measured 2026-11-29) and is what the device-time column leaves out.
 * FlashInfer (when importable): BatchMLAPagedAttentionWrapper on the same
   arrays (shared through DLPack), K calls captured in a CUDA graph (eager if
@@ -158,11 +158,15 @@ def _chain(n, n_sets):
     return jax.jit(f)
 
 
+def _chain_args(inp: Inputs, plan, k):
+    """Arguments of _chain(k, inp.n_sets): the first k query arrays, every cache copy."""
+    return (inp.q_nope[:k], inp.q_pe[:k], inp.ckv, inp.kpe, inp.page_table, inp.kv_lens, plan)
+
+
 def time_ours(inp: Inputs, plan, k1, k2, reps=9):
     """Seconds per call from the difference of two jitted chains."""
     f1, f2 = _chain(k1, inp.n_sets), _chain(k2, inp.n_sets)
-    a1 = (inp.q_nope[:k1], inp.q_pe[:k1], inp.ckv, inp.kpe, inp.page_table, inp.kv_lens, plan)
-    a2 = (inp.q_nope[:k2], inp.q_pe[:k2], inp.ckv, inp.kpe, inp.page_table, inp.kv_lens, plan)
+    a1, a2 = _chain_args(inp, plan, k1), _chain_args(inp, plan, k2)
     for _ in range(2):
         jax.block_until_ready(f1(*a1))
         jax.block_until_ready(f2(*a2))
@@ -185,7 +189,7 @@ def _trace_kernels(trace_dir):
 def device_time_ours(inp: Inputs, plan, k, reps=7):
     """Seconds per call on the device (module docstring), or None without kernel timestamps."""
     f = _chain(k, inp.n_sets)
-    a = (inp.q_nope[:k], inp.q_pe[:k], inp.ckv, inp.kpe, inp.page_table, inp.kv_lens, plan)
+    a = _chain_args(inp, plan, k)
     jax.block_until_ready(f(*a))
     d = tempfile.mkdtemp(prefix="jax_mla_trace_")
     try:

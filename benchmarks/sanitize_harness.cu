@@ -40,9 +40,6 @@ template <>
 float from_float_host<float>(float x) { return x; }
 
 template <typename T>
-__device__ T from_float_host_dev(float x) { return from_float<T>(x); }
-
-template <typename T>
 static float to_float_host(T x);
 template <>
 float to_float_host<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -117,7 +114,7 @@ template <typename T>
 __global__ void fill_random(T* x, size_t n, uint32_t seed) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     const uint32_t h = mix32((uint32_t)i * 0x9e3779b9U ^ mix32(seed + (uint32_t)(i >> 32)));
-    x[i] = from_float_host_dev<T>((float)(h >> 8) * (4.0f / 16777216.0f) - 2.0f);
+    x[i] = from_float<T>((float)(h >> 8) * (4.0f / 16777216.0f) - 2.0f);
   }
 }
 
@@ -261,18 +258,17 @@ int main(int argc, char** argv) {
     p.q_tile = std::max(1, kRowsPerTile / H);
     p.capacity = maxp * ps;
     p.scale_log2 = scale * kLog2e;
-    const std::string out_path = std::string(argv[a]) + ".out";
     if (timing) {
       if (dtype == 0) time_case<__nv_bfloat16>(p, argv[a]);
       else time_case<__half>(p, argv[a]);
-      for (const int32_t* ptr : {p.page_table, p.kv_lens, p.work, p.merge}) CHECK(cudaFree(const_cast<int32_t*>(ptr)));
-      continue;
+    } else {
+      const std::string out_path = std::string(argv[a]) + ".out";
+      if (dtype == 0) run<__nv_bfloat16>(p, qn, qp, ckv, kpe, out_path.c_str());
+      else if (dtype == 1) run<__half>(p, qn, qp, ckv, kpe, out_path.c_str());
+      else run<float>(p, qn, qp, ckv, kpe, out_path.c_str());
+      std::printf("ran %s (dtype %d, T=%d H=%d ps=%d W=%d M=%d)\n", argv[a], dtype, T, H, ps, W, M);
     }
-    if (dtype == 0) run<__nv_bfloat16>(p, qn, qp, ckv, kpe, out_path.c_str());
-    else if (dtype == 1) run<__half>(p, qn, qp, ckv, kpe, out_path.c_str());
-    else run<float>(p, qn, qp, ckv, kpe, out_path.c_str());
     for (const int32_t* ptr : {p.page_table, p.kv_lens, p.work, p.merge}) CHECK(cudaFree(const_cast<int32_t*>(ptr)));
-    std::printf("ran %s (dtype %d, T=%d H=%d ps=%d W=%d M=%d)\n", argv[a], dtype, T, H, ps, W, M);
   }
   return 0;
 }

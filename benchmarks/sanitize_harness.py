@@ -63,6 +63,19 @@ TIMING_CASES = [  # batch, kv_len, heads, page_size
 ]
 
 
+def _write_case(path, header, float_arrays, int_arrays):
+    """One driver case: 16 int32 header words, the scale, float32 arrays, then int32 arrays."""
+    hdr = np.zeros(16, np.int32)
+    hdr[:len(header)] = header
+    with open(path, "wb") as f:
+        f.write(hdr.tobytes())
+        f.write(np.float32(SCALE).tobytes())
+        for a in float_arrays:
+            f.write(a.astype(np.float32).tobytes())
+        for a in int_arrays:
+            f.write(np.ascontiguousarray(a, np.int32).tobytes())
+
+
 def make_timing(d):
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(5)
@@ -72,14 +85,10 @@ def make_timing(d):
         kv = np.full(b, l, np.int32)
         plan = plan_mla(np.ones(b, np.int64), kv, num_heads=h, page_size=ps, max_pages_per_request=per,
                         target=PlanTarget(num_workers=132, units_per_worker=1.0, min_chunk=256, chunk_align=64))
-        hdr = np.zeros(16, np.int32)
-        hdr[:13] = (0x4D4C4131, 0, b, h, b * per, ps, b, per, b, plan.work.shape[0], plan.merge.shape[0],
-                    plan.num_partial_rows, 1)
-        with open(os.path.join(d, f"time{k}_{b}x{l}_h{h}_ps{ps}.bin"), "wb") as f:
-            f.write(hdr.tobytes())
-            f.write(np.float32(SCALE).tobytes())
-            for a in (table, kv, plan.work, plan.merge):
-                f.write(np.ascontiguousarray(a, np.int32).tobytes())
+        header = (0x4D4C4131, 0, b, h, b * per, ps, b, per, b, plan.work.shape[0], plan.merge.shape[0],
+                  plan.num_partial_rows, 1)  # last word 1: no data arrays
+        _write_case(os.path.join(d, f"time{k}_{b}x{l}_h{h}_ps{ps}.bin"), header, (),
+                    (table, kv, plan.work, plan.merge))
         print(f"time{k}: {b}x{l} h{h} ps{ps}: {plan.describe()}")
 
 
@@ -106,16 +115,9 @@ def make(d, cases=None, target=SPLIT):
         arrays = [_round(rng.standard_normal(s, dtype=np.float32), code) for s in
                   ((t, h, 512), (t, h, 64), (num_pages, ps, 512), (num_pages, ps, 64))]
         kv_dev = np.asarray(kv if dev is None else dev, np.int32)
-        hdr = np.zeros(16, np.int32)
-        hdr[:12] = (0x4D4C4131, code, t, h, num_pages, ps, len(qo), maxp, len(kv_dev), plan.work.shape[0],
-                    plan.merge.shape[0], plan.num_partial_rows)
-        with open(os.path.join(d, f"case{k}.bin"), "wb") as f:
-            f.write(hdr.tobytes())
-            f.write(np.float32(SCALE).tobytes())
-            for a in arrays:
-                f.write(a.astype(np.float32).tobytes())
-            for a in (table, kv_dev, plan.work, plan.merge):
-                f.write(np.ascontiguousarray(a, np.int32).tobytes())
+        header = (0x4D4C4131, code, t, h, num_pages, ps, len(qo), maxp, len(kv_dev), plan.work.shape[0],
+                  plan.merge.shape[0], plan.num_partial_rows)
+        _write_case(os.path.join(d, f"case{k}.bin"), header, arrays, (table, kv_dev, plan.work, plan.merge))
         if cases is None:  # reference inputs for `check` (the profiling cases are not checked)
             np.savez(os.path.join(d, f"case{k}.npz"), qn=arrays[0], qp=arrays[1], ckv=arrays[2], kpe=arrays[3],
                    table=table, kv=kv_dev, tokens=np.asarray(plan.tokens), code=code)

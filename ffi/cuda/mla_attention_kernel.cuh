@@ -1,4 +1,7 @@
-// The tensor-core kernel of the paged MLA op (bf16 / fp16, d_ckv 512, d_kpe 64).
+// The portable tensor-core kernel of the paged MLA op (bf16 / fp16, d_ckv 512,
+// d_kpe 64): mma.sync only, so it runs on sm_80 and on any build without sm_90a
+// code. On compute capability 9.0 with an sm_90a build, mla_wide_sm90.cuh's
+// kernel runs instead (its wide body uses wgmma and a producer warpgroup).
 //
 // One thread block (8 warps) computes one work unit of the host plan for up to
 // 64 query rows (rows = tokens x heads of the unit; a unit of a model with more
@@ -9,11 +12,8 @@
 //     STAGES-deep ring of shared-memory tiles [BK][512 | 64]; page ids come
 //     STAGES-1 blocks ahead through a second (smem) ring, so the gather never
 //     waits on a page-table read;
-//   * S = Q K^T (fp32 accumulate): on sm_90a, for 33-64 rows, warpgroup 0
-//     issues 36 wgmma m64n32k16 with Q and the keys read from shared memory by
-//     descriptor (both tiles in the 128-byte swizzle), so neither is re-read per
-//     warp; elsewhere (sm_80, 17-32 rows) the "S warps" split the rows (16-row
-//     tiles) and keys between them with mma.sync m16n8k16 and ldmatrix;
+//   * S = Q K^T (fp32 accumulate): the "S warps" split the rows (16-row tiles)
+//     and keys between them with mma.sync m16n8k16 and ldmatrix;
 //   * online softmax in base 2: row maxima are combined across warps through
 //     shared memory, P is rounded to the input type and shared the same way;
 //   * O += P V: every warp owns 64 of the 512 output columns for all rows, so
@@ -34,38 +34,26 @@
 namespace jax_mla {
 namespace cuda {
 
-template <int MT_, int BK_, int STAGES_, bool WGMMA_ = false>
+template <int MT_, int BK_, int STAGES_>
 struct TileShape {
   static constexpr int MT = MT_;          // 16-row tiles
   static constexpr int BK = BK_;          // keys per pipeline stage
   static constexpr int STAGES = STAGES_;  // depth of the key ring
-  static constexpr bool WGMMA = WGMMA_;   // S = Q K^T by warpgroup 0's wgmma (sm_90a)
   static constexpr int MP = MT * 16;      // padded rows
   // S phase: warps = MT row tiles x KG key groups of KW keys (NT n8 tiles each).
-  // With wgmma, warpgroup 0 takes all BK keys (warp w: rows 16w .. 16w + 15).
-  static constexpr int KG = WGMMA ? 1 : ((8 / MT) < (BK / 8) ? (8 / MT) : (BK / 8));
+  static constexpr int KG = (8 / MT) < (BK / 8) ? (8 / MT) : (BK / 8);
   static constexpr int SW = MT * KG;
   static constexpr int KW = BK / KG;
   static constexpr int NT = KW / 8;
   static constexpr int PASSES = BK / 32;  // 256 threads x 16 B cover 32 keys per pass
   static constexpr int P_STRIDE = BK + 8; // elements; padded like the key rows
   // Query and key tiles: rows padded by 16 bytes (ldmatrix reads them without
-  // bank conflicts), or, for wgmma, nine panels of 64 dimensions in the 128-byte
-  // swizzle its descriptors describe (ldmatrix reads those conflict-free too).
-  static constexpr int PANELS = kDimKey / 64;
-  static constexpr int Q_BYTES = WGMMA ? PANELS * MP * 128 : MP * kRowBytes;
-  static constexpr int STAGE_BYTES = WGMMA ? PANELS * BK * 128 : BK * kRowBytes;
-  static constexpr int ALIGN = WGMMA ? 1024 : 16;  // swizzle atoms: 1024-byte aligned
-  // Byte offset of 16-byte chunk c (of 72) of row r in a tile of ROWS rows.
-  template <int ROWS>
-  static __device__ __forceinline__ uint32_t chunk_offset(int r, int c) {
-    if constexpr (WGMMA) {
-      return (c >> 3) * (ROWS * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-    } else {
-      return r * kRowBytes + c * 16;
-    }
-  }
-  // Byte offsets in dynamic shared memory (after aligning its start to ALIGN).
+  // bank conflicts).
+  static constexpr int Q_BYTES = MP * kRowBytes;
+  static constexpr int STAGE_BYTES = BK * kRowBytes;
+  // Byte offset of 16-byte chunk c (of 72) of row r.
+  static __device__ __forceinline__ uint32_t chunk_offset(int r, int c) { return r * kRowBytes + c * 16; }
+  // Byte offsets in dynamic shared memory.
   static constexpr int Q_OFF = 0;
   static constexpr int KV_OFF = Q_OFF + Q_BYTES;
   static constexpr int P_OFF = KV_OFF + STAGES * STAGE_BYTES;
@@ -76,11 +64,9 @@ struct TileShape {
   static constexpr int KEY_OK_OFF = M_FINAL_OFF + MP * 4;
   static constexpr int PAGE_RING = 2 * STAGES;  // blocks of page ids in flight or waiting
   static constexpr int PAGE_RING_OFF = KEY_OK_OFF + STAGES * BK * 4;
-  static constexpr int BYTES = PAGE_RING_OFF + PAGE_RING * BK * 4 + (ALIGN - 16);
+  static constexpr int BYTES = PAGE_RING_OFF + PAGE_RING * BK * 4;
 
-  static_assert(WGMMA ? (MT == 4 && BK == 32) : (NT == 1 || NT == 2),
-                "mma.sync S warps hold one or two n8 tiles; wgmma: 64 rows x 32 keys");
-  static_assert(Q_BYTES % ALIGN == 0 && STAGE_BYTES % ALIGN == 0, "tiles keep the alignment");
+  static_assert(NT == 1 || NT == 2, "mma.sync S warps hold one or two n8 tiles");
   static_assert(SW <= kWarps && BK % 32 == 0 && BK <= kThreads, "tile shape");
   static_assert(8 * 64 == kDimCkv, "each warp owns 64 output columns");
 };
@@ -88,11 +74,9 @@ struct TileShape {
 // The two wide bodies: 32 rows and 64 rows (16 rows: mla_narrow_kernel.cuh).
 using Tile32 = TileShape<2, 32, 4>;
 using Tile64 = TileShape<4, 32, 3>;
-using Tile64Wgmma = TileShape<4, 32, 3, true>;  // 64 rows on sm_90a
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
-constexpr int kAttentionSmemBytes =
-    cmax(cmax(cmax(Tile32::BYTES, Tile64::BYTES), Tile64Wgmma::BYTES), NarrowShape64x3::BYTES);
+constexpr int kAttentionSmemBytes = cmax(cmax(Tile32::BYTES, Tile64::BYTES), NarrowShape64x3::BYTES);
 static_assert(kAttentionSmemBytes <= 227 * 1024, "one block per SM must fit");
 
 template <typename T, typename Shape>
@@ -104,7 +88,6 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int rows = u.q_len * hb;
-  if constexpr (Shape::ALIGN > 16) smem += (Shape::ALIGN - (smem_addr(smem) & (Shape::ALIGN - 1))) & (Shape::ALIGN - 1);
 
   const uint32_t s_q = smem_addr(smem + Shape::Q_OFF);
   const uint32_t s_kv = smem_addr(smem + Shape::KV_OFF);
@@ -132,7 +115,7 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
                    : (const void*)(q_pe + tok_head * kDimKpe + (c - 64) * 8);
       bytes = 16;
     }
-    cp_async16(s_q + Shape::template chunk_offset<MP>(r, c), src, bytes);
+    cp_async16(s_q + Shape::chunk_offset(r, c), src, bytes);
   }
 
   // ---- key gather: thread -> (key kl = pass*32 + tid/8, chunks tid%8 + 8i) ----
@@ -171,8 +154,8 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
       const uint32_t dst = s_kv + stage * Shape::STAGE_BYTES;
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        cp_async16(dst + Shape::template chunk_offset<BK>(kl, sub + 8 * i), src_c + (sub + 8 * i) * 8, bytes);
-      cp_async16(dst + Shape::template chunk_offset<BK>(kl, 64 + sub), src_r + sub * 8, bytes);
+        cp_async16(dst + Shape::chunk_offset(kl, sub + 8 * i), src_c + (sub + 8 * i) * 8, bytes);
+      cp_async16(dst + Shape::chunk_offset(kl, 64 + sub), src_r + sub * 8, bytes);
       if (sub == 0) key_ok[stage * BK + kl] = ok;
     }
   };
@@ -226,7 +209,6 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
 
   for (int blk = 0; blk < num_blocks; ++blk) {
     cp_async_wait<STAGES - 2>();
-    if constexpr (Shape::WGMMA) fence_proxy_async_shared();  // the keys (and queries) reach wgmma's reads
     __syncthreads();  // block blk landed for everyone; block blk-1 fully consumed
     {
       const int nb = blk + STAGES - 1;  // refill the stage block blk-1 used
@@ -242,27 +224,7 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
     float sc[NT][4];
     float mx[2] = {-INFINITY, -INFINITY};
     if (s_warp) {
-      if constexpr (Shape::WGMMA) {
-        // Warpgroup 0: 36 k16 steps of m64n32k16, Q and K read by descriptor.
-        float acc[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-        const uint64_t dq = sw128_desc(s_q), dk = sw128_desc(s_k);
-        wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kDimKey / 16; ++ks) {
-          const uint32_t q_off = (ks >> 2) * (MP * 128) + (ks & 3) * 32;  // panel, then 32 B per k16 step
-          const uint32_t k_off = (ks >> 2) * (BK * 128) + (ks & 3) * 32;
-          wgmma_m64n32k16<T>(acc, dq + (q_off >> 4), dk + (k_off >> 4));
-        }
-        wgmma_commit();
-        wgmma_wait_all();
-        fence_registers(acc);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sc[nt][e] = acc[4 * nt + e];
-      } else {
+      {
         float acc[2][NT][4];
 #pragma unroll
         for (int h = 0; h < 2; ++h)
@@ -364,9 +326,8 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
         o[mt][nt][3] *= a1;
       }
     }
-    // V rows: keys ks*16 + a_row, columns warp*64 + np*16 + a_col (panel `warp` when swizzled).
-    const uint32_t v_lane = Shape::WGMMA ? s_k + warp * (BK * 128) + a_row * 128
-                                         : s_k + a_row * kRowBytes + (warp * 64 + a_col) * 2;
+    // V rows: keys ks*16 + a_row, columns warp*64 + np*16 + a_col.
+    const uint32_t v_lane = s_k + a_row * kRowBytes + (warp * 64 + a_col) * 2;
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ++ks) {
       uint32_t pa[MT][4];
@@ -375,11 +336,7 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
 #pragma unroll
       for (int np = 0; np < 4; ++np) {
         uint32_t vb[4];
-        if constexpr (Shape::WGMMA) {
-          ldmatrix_x4_trans(vb, v_lane + ks * 16 * 128 + (((2 * np + (lane >> 4)) ^ (lane & 7)) << 4));
-        } else {
-          ldmatrix_x4_trans(vb, v_lane + ks * 16 * kRowBytes + np * 32);
-        }
+        ldmatrix_x4_trans(vb, v_lane + ks * 16 * kRowBytes + np * 32);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mma_16816<T>(o[mt][2 * np], pa[mt], vb[0], vb[1]);
@@ -459,11 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_attention_kernel(const Proble
   if (rows <= 32) {
     attend_unit<T, Tile32>(p, u, h0, hb, smem);
   } else {
-#ifdef JAX_MLA_HAS_WGMMA
-    attend_unit<T, Tile64Wgmma>(p, u, h0, hb, smem);
-#else
     attend_unit<T, Tile64>(p, u, h0, hb, smem);
-#endif
   }
 }
 

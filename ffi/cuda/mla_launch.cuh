@@ -10,6 +10,7 @@
 #include "mla_attention_f32_kernel.cuh"
 #include "mla_attention_kernel.cuh"
 #include "mla_merge_kernel.cuh"
+#include "mla_wide_sm90.cuh"
 
 namespace jax_mla {
 namespace cuda {
@@ -26,25 +27,62 @@ inline int sm_count() {
   return count;
 }
 
-// Programmatic dependent launch needs compute capability 9.0 (cached per device).
-inline bool supports_dependent_launch() {
-  static std::atomic<int> cached[kMaxDevices] = {};  // 0 unknown, 1 no, 2 yes
+// A property of the current device, computed once per device (legal during
+// stream capture: no call here enqueues work). `compute` returns 1 (no) or 2 (yes).
+template <typename Compute>
+inline bool per_device_once(std::atomic<int> (&cache)[kMaxDevices], Compute compute) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     cudaGetLastError();
     return false;
   }
   if (device >= 0 && device < kMaxDevices) {
-    const int c = cached[device].load(std::memory_order_acquire);
+    const int c = cache[device].load(std::memory_order_acquire);
     if (c != 0) return c == 2;
   }
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+  const int v = compute(device);
+  if (v != 0 && device >= 0 && device < kMaxDevices) cache[device].store(v, std::memory_order_release);
+  return v == 2;
+}
+
+inline int compute_capability(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
     cudaGetLastError();
-    major = 0;
+    return 0;
   }
-  if (device >= 0 && device < kMaxDevices) cached[device].store(major >= 9 ? 2 : 1, std::memory_order_release);
-  return major >= 9;
+  return 10 * major + minor;
+}
+
+// Programmatic dependent launch needs compute capability 9.0.
+inline bool supports_dependent_launch() {
+  static std::atomic<int> cached[kMaxDevices] = {};
+  return per_device_once(cached, [](int device) { return compute_capability(device) >= 90 ? 2 : 1; });
+}
+
+// The sm_90a kernel (warp-specialised wgmma body for wide units) runs on
+// compute capability 9.0 when the library holds sm_90a code (CMake defines
+// JAX_MLA_SM90A_BUILT when CMAKE_CUDA_ARCHITECTURES names 90a); otherwise the
+// portable kernel (mma.sync) runs.
+inline bool use_sm90_kernel() {
+#ifdef JAX_MLA_SM90A_BUILT
+  static std::atomic<int> cached[kMaxDevices] = {};
+  return per_device_once(cached, [](int device) { return compute_capability(device) == 90 ? 2 : 1; });
+#else
+  return false;
+#endif
+}
+
+// Raises a kernel's dynamic shared-memory limit once per device.
+template <typename Kernel>
+inline cudaError_t raise_smem_limit(std::atomic<int> (&cache)[kMaxDevices], Kernel kernel, int bytes) {
+  cudaError_t err = cudaSuccess;
+  per_device_once(cache, [&](int) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    return err == cudaSuccess ? 2 : 0;
+  });
+  return err;
 }
 
 // The attention kernel: one block per work unit and head block.
@@ -55,18 +93,17 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
   if constexpr (std::is_same_v<T, float>) {
     mla_attention_f32_kernel<<<blocks, kThreads, 0, stream>>>(p);
   } else {
-    // Opt in to > 48 KiB of shared memory, once per device (legal during capture too).
-    static std::atomic<bool> raised[kMaxDevices] = {};
-    int device = 0;
-    cudaError_t err = cudaGetDevice(&device);
-    if (err != cudaSuccess) return err;
-    if (device < 0 || device >= kMaxDevices || !raised[device].load(std::memory_order_acquire)) {
-      err = cudaFuncSetAttribute(mla_attention_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 kAttentionSmemBytes);
+    if (use_sm90_kernel()) {
+      static std::atomic<int> raised[kMaxDevices] = {};
+      const cudaError_t err = raise_smem_limit(raised, mla_attention_sm90_kernel<T>, kSm90SmemBytes);
       if (err != cudaSuccess) return err;
-      if (device >= 0 && device < kMaxDevices) raised[device].store(true, std::memory_order_release);
+      mla_attention_sm90_kernel<T><<<blocks, WideSm90::kThreads, kSm90SmemBytes, stream>>>(p);
+    } else {
+      static std::atomic<int> raised[kMaxDevices] = {};
+      const cudaError_t err = raise_smem_limit(raised, mla_attention_kernel<T>, kAttentionSmemBytes);
+      if (err != cudaSuccess) return err;
+      mla_attention_kernel<T><<<blocks, kThreads, kAttentionSmemBytes, stream>>>(p);
     }
-    mla_attention_kernel<T><<<blocks, kThreads, kAttentionSmemBytes, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -1,0 +1,262 @@
+// Hopper (sm_90a) building blocks of the wide body (mla_wide_sm90.cuh): mbarriers,
+// named barriers, register reallocation between warpgroups, and the three
+// warpgroup MMAs the body issues. Everything here compiles to nothing outside
+// sm_90a (JAX_MLA_HAS_WGMMA), where the body is never launched.
+#pragma once
+
+#include <type_traits>
+
+#include "mla_common.cuh"
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAX_MLA_HAS_WGMMA 1
+#endif
+
+namespace jax_mla {
+namespace cuda {
+
+// Shared-memory matrix descriptor of a K-major operand (Q and K in S = Q K^T) stored in the 128-byte
+// swizzle: rows of 64 elements (128 B), 16-byte chunk j of row r at j ^ (r & 7),
+// groups of 8 rows 1024 B apart, every group 1024-byte aligned. Advancing along
+// K inside the 128-byte row is adding the byte offset to the start address.
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_byte_addr) {
+  uint64_t d = (uint64_t)((smem_byte_addr & 0x3FFFF) >> 4);  // start address
+  d |= (uint64_t)1 << 16;                                     // leading offset: unused when swizzled
+  d |= (uint64_t)(1024 >> 4) << 32;                           // stride offset: 8 rows x 128 B
+  d |= (uint64_t)1 << 62;                                     // 128-byte swizzle
+  return d;
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+// Keeps the compiler from moving accumulator reads above the wait.
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// cp.async / st.shared writes become visible to the async proxy (wgmma operand reads).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+
+// An opaque copy of a value: descriptors computed from it are not hoisted out of
+// the key loop (dozens of loop-invariant 64-bit descriptors would stay live in
+// registers the accumulators need).
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// ---- mbarriers (shared::cta, 64-bit) ------------------------------------------
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+// Makes the initialised barriers visible before any thread uses them (then a __syncthreads).
+__device__ __forceinline__ void mbar_init_fence() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+// One arrival (release: this thread's earlier shared-memory writes are visible to a waiter).
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+// One arrival that fires when every cp.async this thread issued so far has landed;
+// counted in the barrier's expected count (noinc).
+__device__ __forceinline__ void mbar_arrive_on_cp_async(uint32_t bar) {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+// Waits until the phase of the given parity has completed (acquire). A fresh
+// barrier is in phase 0, so waiting for parity 1 returns at once: that is how a
+// producer passes its first wait on an "empty" barrier.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+  __syncwarp();  // lanes leave the loop separately; .aligned instructions (wgmma, bar.sync) follow
+#endif
+}
+
+// ---- named barriers between warpgroups -----------------------------------------
+
+// Not .aligned: the two consumer warpgroups reach it through different code (one
+// template instance each), which the .aligned form (bar.sync) does not allow.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// ---- register reallocation between warpgroups (needs a register cap at entry) ----
+
+template <int N>
+__device__ __forceinline__ void release_registers() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+template <int N>
+__device__ __forceinline__ void claim_registers() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Keeps A fragments that an in-flight wgmma reads alive (and unmoved) until the wait.
+template <int N>
+__device__ __forceinline__ void fence_fragments(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
+}
+
+// ---- shared-memory matrix descriptors (128-byte swizzle) ----------------------
+//
+// Tiles here are "panels": 64 dimensions (128 bytes) wide, one row per key or
+// query, 16-byte chunk c of row r at c ^ (r & 7), 1024-byte aligned.
+//  * K-major (the MMA's K runs along the row): sw128_desc above; Q and K in S = Q K^T.
+//  * MN-major: V in O += P V, where K (the keys) runs down the rows and N (the
+//    dimensions) along them. Groups of 8 keys are 1024 bytes apart (stride byte
+//    offset) and the next 64 dimensions live one panel further on (leading byte
+//    offset = the panel's size).
+__device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t smem_byte_addr, uint32_t panel_bytes) {
+  uint64_t d = (uint64_t)((smem_byte_addr & 0x3FFFF) >> 4);
+  d |= (uint64_t)((panel_bytes >> 4) & 0x3FFF) << 16;
+  d |= (uint64_t)(1024 >> 4) << 32;
+  d |= (uint64_t)1 << 62;
+  return d;
+}
+
+// ---- the three warpgroup MMAs --------------------------------------------------
+// Accumulator layout (all of them): warp w of the warpgroup holds rows 16w + g and
+// 16w + g + 8 (g = lane / 4); d[4n + e] is column 8n + 2 (lane % 4) + (e & 1) of
+// row 16w + g + 8 (e >> 1). Register A fragments have the mma.sync m16n8k16 A
+// layout per warp: a[0] (g, 2t..2t+1), a[1] (g+8, 2t..), a[2] (g, 8+2t..), a[3] (g+8, 8+2t..).
+// `accumulate` = 0 ignores d's old contents.
+
+// clang-format off
+#define JAX_MLA_WGMMA_64x32_SS(TY)                                                                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                         \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {"                                         \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                            \
+               "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                                      \
+             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
+               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+             : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
+#define JAX_MLA_WGMMA_64x32_RS(TY)                                                                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                         \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {"                                         \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                            \
+               "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                                        \
+             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
+               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
+             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
+#define JAX_MLA_WGMMA_64x256_RS_TB(TY)                                                                                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                                   \
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {"                                                   \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                        \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                              \
+               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                              \
+               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                              \
+               "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                              \
+               "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                              \
+               "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                  \
+               "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "             \
+               "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                                                              \
+             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
+               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
+               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
+               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),         \
+               "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),         \
+               "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
+               "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
+               "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),         \
+               "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),         \
+               "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),         \
+               "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),         \
+               "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),         \
+               "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),     \
+               "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+               "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+               "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
+             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+// clang-format on
+
+// S += Q K^T over one k16 step: D 64 x 32, A (64 x 16) and B (32 keys x 16) K-major in shared memory.
+template <typename T>
+__device__ __forceinline__ void wgmma_64x32_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#ifdef JAX_MLA_HAS_WGMMA
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    JAX_MLA_WGMMA_64x32_SS("bf16");
+  } else {
+    JAX_MLA_WGMMA_64x32_SS("f16");
+  }
+#endif
+}
+// The same with A (the queries' rope part) from registers.
+template <typename T>
+__device__ __forceinline__ void wgmma_64x32_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b,
+                                               int accumulate) {
+#ifdef JAX_MLA_HAS_WGMMA
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    JAX_MLA_WGMMA_64x32_RS("bf16");
+  } else {
+    JAX_MLA_WGMMA_64x32_RS("f16");
+  }
+#endif
+}
+// O += P V over one k16 step of keys: D 64 x 256, A (P) from registers, B (V) MN-major in shared memory.
+template <typename T>
+__device__ __forceinline__ void wgmma_64x256_rs_mn(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b,
+                                                   int accumulate) {
+#ifdef JAX_MLA_HAS_WGMMA
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    JAX_MLA_WGMMA_64x256_RS_TB("bf16");
+  } else {
+    JAX_MLA_WGMMA_64x256_RS_TB("f16");
+  }
+#endif
+}
+#undef JAX_MLA_WGMMA_64x32_SS
+#undef JAX_MLA_WGMMA_64x32_RS
+#undef JAX_MLA_WGMMA_64x256_RS_TB
+
+}  // namespace cuda
+}  // namespace jax_mla

@@ -1,0 +1,656 @@
+// The sm_90a kernel of the paged MLA op: units of more than 16 query rows
+// (rows = tokens x heads of one request: 32-128 heads, or 16 heads x 2-4 tokens
+// of MTP / speculative verify) take a warp-specialised body built on wgmma;
+// units of at most 16 rows take the narrow body (mla_narrow_kernel.cuh) on the
+// first two warpgroups.
+//
+// The wide body: one block = one work unit x 64 rows (padding rows are zero),
+// three warpgroups.
+//
+//   * Producer (warpgroup 0, few registers): queries into nine 128-byte-swizzled
+//     panels of 64 dims, then the unit's keys, 32 per block, gathered through
+//     the page table with 16-byte cp.async into a four-stage ring (any page
+//     size). A stage is three groups with their own "full" and "empty"
+//     mbarriers: the rope panel (dims 512-575, and a validity mask of the
+//     block's keys), the left half of the latent (dims 0-255) and the right
+//     half (256-511). Each group is refilled as soon as its last reader is
+//     done with it; with four stages the next pair of blocks streams in while
+//     the current pair is multiplied (two stages of 64 keys, tried first, left
+//     loads and MMAs in series: 267 us for 128 x 4096 at 32 rows).
+//   * Two consumers (warpgroups 1 and 2, most registers) split the output by
+//     columns: consumer c keeps O[:, 256c : 256c + 256] in registers (128
+//     floats per thread). They take the key blocks in pairs: consumer 0
+//     computes S = Q K^T of the even block (A), consumer 1 of the odd one (B),
+//     both with wgmma (m64n32k16; the queries' rope panel from registers, the
+//     rest from shared memory), so the two S products and the softmax of the
+//     other consumer overlap. Then each needs both blocks' probabilities for
+//     its own columns:
+//
+//       consumer 0: S_A; softmax A (max m_A) ............ signal A (m_A, P_A)
+//                   O_L = a_A O_L + P_A V_A[:, left]       (P_A from registers)
+//                   wait B; O_L = a_B O_L + P_B V_B[:, left] (P_B via shared memory)
+//       consumer 1: S_B; wait A; softmax B from m_A (max m_B); signal B (m_B, P_B)
+//                   O_R = a_A a_B O_R + P_B V_B[:, right] + (a_B P_A) V_A[:, right]
+//
+//     The signals are mbarriers (one phase per pair, every thread of the
+//     sending consumer arrives), which also order the reuse of the P and
+//     statistics buffers one pair later. PV is wgmma m64n256k16 with P from
+//     registers and V read straight from the key stage (the latent rows,
+//     MN-major). The running max is shared through shared memory, so both
+//     halves of every row stay on one scale; the row sums are kept per consumer
+//     and added in the epilogue.
+//
+// ffi/cuda/NOTES.md has what each version of this body measured.
+//
+// Split units write float32 partials for the merge kernel, as every body does.
+#pragma once
+
+#include "mla_common.cuh"
+#include "mla_hopper.cuh"
+#include "mla_narrow_kernel.cuh"
+
+namespace jax_mla {
+namespace cuda {
+
+struct WideSm90 {
+  static constexpr int kThreads = 384;  // producer + two consumer warpgroups
+  static constexpr int ROWS = 64;
+  static constexpr int BK = 32;                  // keys per block
+  static constexpr int STAGES = 4;               // two pairs of blocks
+  static constexpr int QPANEL = ROWS * 128;      // 64 query rows x 64 dims, 128-byte swizzle
+  static constexpr int KPANEL = BK * 128;        // 32 keys x 64 dims
+  static constexpr int STAGE = 9 * KPANEL;       // a key block: 8 latent panels + the rope panel
+  static constexpr int ROPE_PANEL = 8;
+  static constexpr int SACC = ROWS * BK / 128;   // S accumulators per thread
+  static constexpr int PBYTES = ROWS * BK * 2;   // P of one block (64-byte rows, swizzled)
+  // Shared memory (from a 1024-byte-aligned base). The queries' rope panel is
+  // staged where P_A and P_B later live: both consumers move it into registers first.
+  static constexpr int Q_OFF = 0;
+  static constexpr int PA_OFF = 8 * QPANEL;
+  static constexpr int PB_OFF = PA_OFF + PBYTES;
+  static constexpr int KV_OFF = 9 * QPANEL;
+  static constexpr int STATS_OFF = KV_OFF + STAGES * STAGE;  // float [6][64]: m_A, a_A, m_B, a_B, l(c=0), l(c=1)
+  // Per stage: a u32 whose four bytes are the producer warps' ballots of valid
+  // keys (all ones: no key is masked), then one byte per key.
+  static constexpr int MASK_OFF = STATS_OFF + 6 * ROWS * 4;
+  static constexpr int KEY_OK_OFF = MASK_OFF + STAGES * 4;
+  static constexpr int BAR_OFF = KEY_OK_OFF + STAGES * BK;
+  static constexpr int NUM_BARS = 2 * STAGES * 3 + 3;  // full / empty x stage x group, queries, A / B ready
+  static constexpr int BYTES = BAR_OFF + NUM_BARS * 8;
+  static constexpr int SMEM_BYTES = BYTES + 1024 - 16;  // room to align the base
+
+  enum Group : int { kRope = 0, kLeft = 1, kRight = 2 };
+  enum Stat : int { kMaxA = 0, kAlphaA = 1, kMaxB = 2, kAlphaB = 3, kSum0 = 4, kSum1 = 5 };
+  enum NamedBarrier : int { kConsumers = 1 };
+  static constexpr int kConsumerThreads = 256;
+
+  static __device__ __forceinline__ uint32_t full_bar(uint32_t base, int stage, int group) {
+    return base + BAR_OFF + (stage * 3 + group) * 8;
+  }
+  static __device__ __forceinline__ uint32_t empty_bar(uint32_t base, int stage, int group) {
+    return base + BAR_OFF + (3 * STAGES + stage * 3 + group) * 8;
+  }
+  static __device__ __forceinline__ uint32_t query_bar(uint32_t base) { return base + BAR_OFF + 6 * STAGES * 8; }
+  // Consumer 0 -> 1: m_A, a_A and P_A are in shared memory; consumer 1 -> 0: m_B,
+  // a_B and P_B are, and P_A has been read. One phase per pair, all 128 threads arrive.
+  static __device__ __forceinline__ uint32_t a_ready_bar(uint32_t base) { return query_bar(base) + 8; }
+  static __device__ __forceinline__ uint32_t b_ready_bar(uint32_t base) { return query_bar(base) + 16; }
+  static __device__ __forceinline__ uint32_t stage_addr(uint32_t base, int stage) {
+    return base + KV_OFF + stage * STAGE;
+  }
+  // Byte offset of 16-byte chunk c (of 72: 64 latent + 8 rope) of row r in nine panels of `panel` bytes.
+  static __device__ __forceinline__ uint32_t chunk_offset(int r, int c, int panel) {
+    return (c >> 3) * panel + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+  }
+  // Expected arrivals. full: every producer thread's cp.async arrival (+ one
+  // plain arrival per producer warp for the rope group, which publishes the key
+  // mask). empty: one arrival per warp of each consumer warpgroup that reads the
+  // group (stage 0 = block A: consumer 0 computes S on all of it and PV on the
+  // left half, consumer 1 PV on the right half; odd stages (block B) mirrored).
+  static __device__ __forceinline__ int empty_count(int stage, int group) {
+    if (group == kRope) return 4;
+    const bool shared = (stage & 1) == 0 ? group == kRight : group == kLeft;
+    return shared ? 8 : 4;
+  }
+  static_assert(SMEM_BYTES <= 227 * 1024, "one block per SM must fit");
+  static_assert(STAGE % 1024 == 0 && KPANEL % 1024 == 0 && QPANEL % 1024 == 0, "swizzle atoms stay aligned");
+  static_assert(2 * PBYTES <= QPANEL, "P_A and P_B fit in the queries' rope panel");
+};
+
+// ---- producer -------------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ void wide_producer(const Problem& p, const Unit& u, int h0, int hb, uint32_t base) {
+  using W = WideSm90;
+  const int tid = threadIdx.x;  // 0..127
+  const int warp = tid >> 5, lane = tid & 31;
+  const int rows = u.q_len * hb;
+  const T* q_nope = static_cast<const T*>(p.q_nope);
+  const T* q_pe = static_cast<const T*>(p.q_pe);
+  const T* ckv = static_cast<const T*>(p.ckv);
+  const T* kpe = static_cast<const T*>(p.kpe);
+
+  // Queries: rows r = (token r / hb, head h0 + r % hb); padding rows zero.
+  for (int idx = tid; idx < W::ROWS * kChunksPerKey; idx += 128) {
+    const int r = idx / kChunksPerKey, c = idx - r * kChunksPerKey;
+    const void* src = q_nope;
+    int bytes = 0;
+    if (r < rows) {
+      const size_t tok_head = (size_t)(u.q_start + r / hb) * p.num_heads + h0 + r % hb;
+      src = c < 64 ? (const void*)(q_nope + tok_head * kDimCkv + c * 8)
+                   : (const void*)(q_pe + tok_head * kDimKpe + (c - 64) * 8);
+      bytes = 16;
+    }
+    cp_async16(base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL), src, bytes);
+  }
+  mbar_arrive_on_cp_async(W::query_bar(base));
+
+  // Keys: warp w gathers the keys w, w + 4, ..., w + 28 of every block; lane j < 8
+  // holds the page id of key w + 4j (the other lanes mirror them), fetched one block ahead.
+  const int kv_begin = u.kv_begin;
+  const int num_blocks = (u.range_end - kv_begin + W::BK - 1) / W::BK;
+  const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+  const int key_in_block = warp + 4 * (lane & 7);
+  auto page_of = [&](int blk) {
+    const int key = kv_begin + blk * W::BK + key_in_block;
+    return blk < num_blocks && key < u.range_end ? __ldg(pt_row + (key >> p.log2_page_size)) : -1;
+  };
+  int page_next = page_of(0);
+#pragma unroll 1
+  for (int blk = 0; blk < num_blocks; ++blk) {
+    const int stage = blk & (W::STAGES - 1), use = blk / W::STAGES;
+    const bool block_a = (blk & 1) == 0;
+    const int page = page_next;
+    page_next = page_of(blk + 1);
+    const int key_base = kv_begin + blk * W::BK;
+    const bool ok = key_base + key_in_block < u.range_end && page >= 0 && page < p.num_pages;
+    const uint32_t ok_bits = __ballot_sync(0xffffffffu, ok) & 0xffu;  // bit j: key w + 4j
+    const uint32_t st = W::stage_addr(base, stage);
+    // Row (slot) of the key that lane `j` of this warp describes; 0 when invalid (not read).
+    auto slot_of = [&](int j) -> size_t {
+      const int pg = __shfl_sync(0xffffffffu, page, j);
+      const int key = key_base + warp + 4 * j;
+      return ((ok_bits >> j) & 1) ? (size_t)pg * p.page_size + (key & (p.page_size - 1)) : 0;
+    };
+#pragma unroll
+    for (int gi = 0; gi < 3; ++gi) {
+      // Block A's readers free the left half first, block B's the right half.
+      const int group = gi == 0 ? W::kRope : ((gi == 1) == block_a ? W::kLeft : W::kRight);
+      mbar_wait(W::empty_bar(base, stage, group), (use & 1) ^ 1);
+      if (group == W::kRope) {
+        if (lane == 0) {
+          asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::MASK_OFF + stage * 4 + warp),
+                       "h"((unsigned short)ok_bits)
+                       : "memory");
+        }
+        if (lane < 8) {
+          asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::KEY_OK_OFF + stage * W::BK + key_in_block),
+                       "h"((unsigned short)ok)
+                       : "memory");
+        }
+        __syncwarp();  // lane 0's arrival below publishes the whole warp's flags
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int j = 4 * i + (lane >> 3), c = lane & 7, kl = warp + 4 * j;
+          const size_t slot = slot_of(j);
+          cp_async16(st + W::ROPE_PANEL * W::KPANEL + kl * 128 + ((c ^ (kl & 7)) << 4), kpe + slot * kDimKpe + c * 8,
+                     ((ok_bits >> j) & 1) ? 16 : 0);
+        }
+        mbar_arrive_on_cp_async(W::full_bar(base, stage, W::kRope));
+        if (lane == 0) mbar_arrive(W::full_bar(base, stage, W::kRope));  // publishes the mask
+      } else {
+        const int c = (group == W::kLeft ? 0 : 32) + lane;  // one key's 512 bytes per warp instruction
+#pragma unroll 4
+        for (int j = 0; j < 8; ++j) {
+          const int kl = warp + 4 * j;
+          const size_t slot = slot_of(j);
+          cp_async16(st + (c >> 3) * W::KPANEL + kl * 128 + (((c & 7) ^ (kl & 7)) << 4), ckv + slot * kDimCkv + c * 8,
+                     ((ok_bits >> j) & 1) ? 16 : 0);
+        }
+        mbar_arrive_on_cp_async(W::full_bar(base, stage, group));
+      }
+    }
+  }
+  cp_async_wait_all();  // leave nothing in flight behind an exited thread
+}
+
+// ---- consumer stages -------------------------------------------------------------
+
+// S = Q K^T for the block in `stage`: rope panel first (queries from registers),
+// then the two latent halves in the order the producer refills them (block A:
+// left first; block B: right first). Async: committed, not waited for.
+template <typename T, bool BLOCK_A>
+__device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], const uint32_t (&q_rope)[4][4],
+                                            uint32_t base, int stage, int parity) {
+  using W = WideSm90;
+  base = opaque(base);
+  const uint32_t st = W::stage_addr(base, stage);
+  mbar_wait(W::full_bar(base, stage, W::kRope), parity);
+  fence_proxy_async_shared();
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_64x32_rs<T>(s, q_rope[kk], sw128_desc(st + W::ROPE_PANEL * W::KPANEL + kk * 32), kk > 0);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int group = (half == 0) == BLOCK_A ? W::kLeft : W::kRight;
+    mbar_wait(W::full_bar(base, stage, group), parity);
+    fence_proxy_async_shared();
+    const int p0 = group == W::kLeft ? 0 : 4;
+#pragma unroll
+    for (int pn = p0; pn < p0 + 4; ++pn)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_64x32_ss<T>(s, sw128_desc(base + W::Q_OFF + pn * W::QPANEL + kk * 32),
+                          sw128_desc(st + pn * W::KPANEL + kk * 32), 1);
+  }
+  wgmma_commit();
+}
+
+// Scales scores to base 2 and masks keys that are invalid or past the row's limit.
+// The block's validity ballot decides whether any key needs the per-key flags.
+__device__ __forceinline__ void wide_mask(float (&s)[WideSm90::SACC], float scale_log2, uint32_t base, int stage,
+                                          int key0, const int (&limit)[2], int t4) {
+  using W = WideSm90;
+  const uint32_t ballot = *reinterpret_cast<const uint32_t*>(__cvta_shared_to_generic(base + W::MASK_OFF + stage * 4));
+  const bool clean = ballot == 0xffffffffu && key0 + W::BK <= min(limit[0], limit[1]);
+  if (clean) {
+#pragma unroll
+    for (int i = 0; i < W::SACC; ++i) s[i] *= scale_log2;
+    return;
+  }
+  const unsigned char* key_ok = reinterpret_cast<const unsigned char*>(
+      __cvta_shared_to_generic(opaque(base) + W::KEY_OK_OFF + stage * W::BK + 2 * t4));
+#pragma unroll
+  for (int j = 0; j < W::SACC / 4; ++j) {
+    const unsigned short ok2 = *reinterpret_cast<const unsigned short*>(key_ok + 8 * j);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int kl = 8 * j + 2 * t4 + (e & 1);
+      const bool vis = ((ok2 >> (8 * (e & 1))) & 1) && key0 + kl < limit[e >> 1];
+      s[4 * j + e] = vis ? s[4 * j + e] * scale_log2 : -INFINITY;
+    }
+  }
+}
+
+// Row maxima of the thread's two rows (a row's keys sit in four lanes).
+__device__ __forceinline__ void wide_row_max(const float (&s)[WideSm90::SACC], float (&mx)[2]) {
+  mx[0] = mx[1] = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < WideSm90::SACC; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
+    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
+  }
+}
+
+// P = 2^(S - m) in place, with the thread's partial row sums; m = -inf (nothing
+// visible yet) counts as 0 so that masked scores give 0, never NaN.
+__device__ __forceinline__ void wide_exp(float (&s)[WideSm90::SACC], const float (&m)[2], float (&sum)[2]) {
+  const float mu[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
+  sum[0] = sum[1] = 0.f;
+#pragma unroll
+  for (int i = 0; i < WideSm90::SACC; ++i) {
+    s[i] = fast_exp2(s[i] - mu[(i >> 1) & 1]);
+    sum[(i >> 1) & 1] += s[i];
+  }
+}
+__device__ __forceinline__ float wide_alpha(float m_old, float m_new) {
+  return fast_exp2(m_old - (m_new == -INFINITY ? 0.f : m_new));
+}
+
+constexpr int kWideKSteps = WideSm90::BK / 16;  // k16 steps of P V per block
+
+// The 64 x 32 probabilities as the A fragments of two k16 steps.
+template <typename T>
+__device__ __forceinline__ void wide_pack_p(const float (&s)[WideSm90::SACC], uint32_t (&pa)[kWideKSteps][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kWideKSteps; ++kk) {
+    pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+    pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+// P fragments to / from a 64 x 32 tile of 64-byte rows, chunk c of row r at
+// c ^ ((r >> 1) & 3): the eight rows of every store or ldmatrix phase fall in
+// distinct banks.
+__device__ __forceinline__ uint32_t wide_p_offset(int r, int c) { return r * 64 + ((c ^ ((r >> 1) & 3)) << 4); }
+__device__ __forceinline__ void wide_store_p(uint32_t buf, const uint32_t (&pa)[kWideKSteps][4], int warp,
+                                             int lane) {
+  buf = opaque(buf);
+  const int g = lane >> 2, t4 = lane & 3;
+  const int r0 = 16 * warp + g, r1 = r0 + 8;
+#pragma unroll
+  for (int kk = 0; kk < kWideKSteps; ++kk) {
+    st_shared_u32(buf + wide_p_offset(r0, 2 * kk) + 4 * t4, pa[kk][0]);
+    st_shared_u32(buf + wide_p_offset(r1, 2 * kk) + 4 * t4, pa[kk][1]);
+    st_shared_u32(buf + wide_p_offset(r0, 2 * kk + 1) + 4 * t4, pa[kk][2]);
+    st_shared_u32(buf + wide_p_offset(r1, 2 * kk + 1) + 4 * t4, pa[kk][3]);
+  }
+}
+__device__ __forceinline__ void wide_load_p(uint32_t buf, uint32_t (&pa)[kWideKSteps][4], int warp, int lane) {
+  buf = opaque(buf);
+  const int row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, ch = lane >> 4;
+#pragma unroll
+  for (int kk = 0; kk < kWideKSteps; ++kk) ldmatrix_x4(pa[kk], buf + wide_p_offset(row, 2 * kk + ch));
+}
+// The queries' rope panel (64 rows x 64 dims, 128-byte swizzled) as four k16 A fragments.
+__device__ __forceinline__ void wide_load_q_rope(uint32_t panel, uint32_t (&qa)[4][4], int warp, int lane) {
+  const int row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, ch = lane >> 4;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) ldmatrix_x4(qa[kk], panel + row * 128 + (((2 * kk + ch) ^ (row & 7)) << 4));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t scale_pair(uint32_t v, float a);
+template <>
+__device__ __forceinline__ uint32_t scale_pair<__nv_bfloat16>(uint32_t v, float a) {
+  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  return pack2<__nv_bfloat16>(f.x * a, f.y * a);
+}
+template <>
+__device__ __forceinline__ uint32_t scale_pair<__half>(uint32_t v, float a) {
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+  return pack2<__half>(f.x * a, f.y * a);
+}
+
+// O[:, 256 HALF : +256] += P V for the keys of `stage` (async, not committed).
+template <typename T, int HALF>
+__device__ __forceinline__ void wide_pv(float (&o)[128], const uint32_t (&pa)[kWideKSteps][4], uint32_t stage_addr) {
+  using W = WideSm90;
+  stage_addr = opaque(stage_addr);
+#pragma unroll
+  for (int kk = 0; kk < kWideKSteps; ++kk)
+    wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_mn_desc(stage_addr + HALF * 4 * W::KPANEL + kk * 2048, W::KPANEL), 1);
+}
+
+__device__ __forceinline__ void wide_rescale(float (&o)[128], const float (&a)[2]) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    o[4 * j + 0] *= a[0];
+    o[4 * j + 1] *= a[0];
+    o[4 * j + 2] *= a[1];
+    o[4 * j + 3] *= a[1];
+  }
+}
+
+// ---- consumers -------------------------------------------------------------------
+
+template <typename T, int HALF>
+__device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, int h0, int hb, uint32_t base) {
+  using W = WideSm90;
+  const int tid = threadIdx.x - 128 * (1 + HALF);
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int rows = u.q_len * hb;
+  const int r[2] = {16 * warp + g, 16 * warp + g + 8};
+  int limit[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) limit[e] = r[e] < rows ? min(u.kv_stop, visible_keys(u, r[e] / hb)) : INT_MIN;
+  // Broadcast from lane 0: the compiler then knows the loop and `has_b` are
+  // warp-uniform, which wgmma (issued inside them) needs to stay asynchronous.
+  const int num_blocks = __shfl_sync(0xffffffffu, (u.range_end - u.kv_begin + W::BK - 1) / W::BK, 0);
+  const uint32_t stats_addr = base + W::STATS_OFF;
+  auto stat_ptr = [&](int which, int row) -> float* {
+    return reinterpret_cast<float*>(__cvta_shared_to_generic(stats_addr + (which * W::ROWS + row) * 4));
+  };
+
+  // The queries' rope panel lives in registers for the whole unit.
+  mbar_wait(W::query_bar(base), 0);
+  fence_proxy_async_shared();  // the query panels reach wgmma's reads
+  uint32_t q_rope[4][4];
+  wide_load_q_rope(base + W::PA_OFF, q_rope, warp, lane);
+  named_barrier_sync(W::kConsumers, W::kConsumerThreads);  // both hold it: P_A, P_B may overwrite the panel
+
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+
+#pragma unroll 1
+  for (int pair = 0; 2 * pair < num_blocks; ++pair) {
+    // Pair k uses stages 2 (k % 2) and 2 (k % 2) + 1, for the (k / 2)-th time.
+    const int stage_a = 2 * (pair & 1), stage_b = stage_a + 1;
+    const int parity = (pair >> 1) & 1;
+    const bool has_b = 2 * pair + 1 < num_blocks;
+    const int key0 = u.kv_begin + 2 * pair * W::BK;
+    const uint32_t st_a = W::stage_addr(base, stage_a), st_b = W::stage_addr(base, stage_b);
+    float s[W::SACC];
+    if constexpr (HALF == 0) {
+      // ---- block A: scores, softmax, signal ----
+      wide_scores<T, true>(s, q_rope, base, stage_a, parity);
+      wgmma_wait<0>();
+      fence_registers(s);
+      wide_mask(s, p.scale_log2, base, stage_a, key0, limit, t4);
+      float mx[2], m_a[2], a_a[2], sum[2];
+      wide_row_max(s, mx);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        m_a[e] = fmaxf(m_run[e], mx[e]);
+        a_a[e] = wide_alpha(m_run[e], m_a[e]);
+      }
+      wide_exp(s, m_a, sum);
+      if (lane == 0) {  // S and the mask are read: the rope panel and the right half go back
+        mbar_arrive(W::empty_bar(base, stage_a, W::kRope));
+        mbar_arrive(W::empty_bar(base, stage_a, W::kRight));
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_a[e] + sum[e];
+      wide_rescale(o, a_a);
+      uint32_t pa[kWideKSteps][4];
+      wide_pack_p<T>(s, pa);
+      if (t4 == 0) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          *stat_ptr(W::kMaxA, r[e]) = m_a[e];
+          *stat_ptr(W::kAlphaA, r[e]) = a_a[e];
+        }
+      }
+      wide_store_p(base + W::PA_OFF, pa, warp, lane);
+      mbar_arrive(W::a_ready_bar(base));
+      wgmma_fence();
+      wide_pv<T, 0>(o, pa, st_a);
+      wgmma_commit();
+      // ---- block B's probabilities from consumer 1 ----
+      mbar_wait(W::b_ready_bar(base), pair & 1);
+      fence_proxy_async_shared();  // block B's left half landed for consumer 1; our wgmma reads it next
+      float a_b[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        a_b[e] = *stat_ptr(W::kAlphaB, r[e]);
+        m_run[e] = *stat_ptr(W::kMaxB, r[e]);
+      }
+      uint32_t pb[kWideKSteps][4];
+      if (has_b) wide_load_p(base + W::PB_OFF, pb, warp, lane);
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_fragments(pa);
+      if (lane == 0) mbar_arrive(W::empty_bar(base, stage_a, W::kLeft));
+      wide_rescale(o, a_b);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) l_run[e] *= a_b[e];
+      if (has_b) {
+        wgmma_fence();
+        wide_pv<T, 0>(o, pb, st_b);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(o);
+        fence_fragments(pb);
+        if (lane == 0) mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));
+      }
+    } else {
+      // ---- block B: scores (overlap consumer 0's), then softmax from m_A ----
+      if (has_b) {
+        wide_scores<T, false>(s, q_rope, base, stage_b, parity);
+        wgmma_wait<0>();
+        fence_registers(s);
+      }
+      mbar_wait(W::a_ready_bar(base), pair & 1);
+      fence_proxy_async_shared();  // block A's right half landed for consumer 0; our wgmma reads it next
+      float m_a[2], a_a[2], m_b[2], a_b[2] = {1.f, 1.f};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        m_a[e] = *stat_ptr(W::kMaxA, r[e]);
+        a_a[e] = *stat_ptr(W::kAlphaA, r[e]);
+        m_b[e] = m_a[e];
+      }
+      uint32_t pb[kWideKSteps][4];
+      if (has_b) {
+        wide_mask(s, p.scale_log2, base, stage_b, key0 + W::BK, limit, t4);
+        float mx[2], sum[2];
+        wide_row_max(s, mx);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          m_b[e] = fmaxf(m_a[e], mx[e]);
+          a_b[e] = wide_alpha(m_a[e], m_b[e]);
+        }
+        wide_exp(s, m_b, sum);
+        if (lane == 0) {  // S_B and its mask are read: rope panel and left half go back
+          mbar_arrive(W::empty_bar(base, stage_b, W::kRope));
+          mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_a[e] * a_b[e] + sum[e];
+        wide_pack_p<T>(s, pb);
+        wide_store_p(base + W::PB_OFF, pb, warp, lane);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) l_run[e] *= a_a[e];
+      }
+      if (t4 == 0) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          *stat_ptr(W::kMaxB, r[e]) = m_b[e];
+          *stat_ptr(W::kAlphaB, r[e]) = a_b[e];
+        }
+      }
+      uint32_t pa[kWideKSteps][4];
+      wide_load_p(base + W::PA_OFF, pa, warp, lane);
+      mbar_arrive(W::b_ready_bar(base));
+      // P_A was made against m_A; this half of O now lives at m_B.
+#pragma unroll
+      for (int kk = 0; kk < kWideKSteps; ++kk) {
+        pa[kk][0] = scale_pair<T>(pa[kk][0], a_b[0]);
+        pa[kk][1] = scale_pair<T>(pa[kk][1], a_b[1]);
+        pa[kk][2] = scale_pair<T>(pa[kk][2], a_b[0]);
+        pa[kk][3] = scale_pair<T>(pa[kk][3], a_b[1]);
+      }
+      const float a_ab[2] = {a_a[0] * a_b[0], a_a[1] * a_b[1]};
+      wide_rescale(o, a_ab);
+      wgmma_fence();
+      if (has_b) wide_pv<T, 1>(o, pb, st_b);
+      wide_pv<T, 1>(o, pa, st_a);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_fragments(pa);
+      if (has_b) fence_fragments(pb);
+      if (lane == 0) {
+        mbar_arrive(W::empty_bar(base, stage_a, W::kRight));
+        if (has_b) mbar_arrive(W::empty_bar(base, stage_b, W::kRight));
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) m_run[e] = m_b[e];
+    }
+  }
+
+  // ---- epilogue: both halves' row sums, normalise, store ----
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float l = l_run[e];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t4 == 0) *stat_ptr(W::kSum0 + HALF, r[e]) = l;
+  }
+  named_barrier_sync(W::kConsumers, W::kConsumerThreads);
+  const bool direct = u.partial_row < 0;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (r[e] >= rows) continue;
+    const float l = *stat_ptr(W::kSum0, r[e]) + *stat_ptr(W::kSum1, r[e]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const int i = r[e] / hb, h = h0 + r[e] % hb;
+    const int col0 = HALF * 256 + 2 * t4;
+    if (direct) {
+      const size_t row = (size_t)(u.q_start + i) * p.num_heads + h;
+      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * kDimCkv + col0);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) dst[j * 4] = pack2<T>(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
+      if (HALF == 0 && t4 == 0) p.lse[row] = l > 0.f ? (m_run[e] + __log2f(l)) * kLn2 : -INFINITY;
+    } else {
+      const size_t row = (size_t)(u.partial_row + i) * p.num_heads + h;
+      float2* dst = reinterpret_cast<float2*>(p.partial_o + row * kDimCkv + col0);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) dst[j * 4] = make_float2(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
+      if (HALF == 0 && t4 == 0) p.partial_lse[row] = l > 0.f ? (m_run[e] + __log2f(l)) * kLn2 : -INFINITY;
+    }
+  }
+}
+
+// ---- the kernel ----------------------------------------------------------------------
+
+constexpr int kSm90SmemBytes =
+    WideSm90::SMEM_BYTES > NarrowShape64x3::BYTES ? WideSm90::SMEM_BYTES : NarrowShape64x3::BYTES;
+
+// grid.x = W * head_blocks (head blocks of one unit are neighbours: the second
+// finds the keys in L2); 384 threads. The register cap of 168 at entry is what
+// lets the warpgroups move registers between them (setmaxnreg).
+template <typename T>
+__global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kernel(const Problem p) {
+  extern __shared__ __align__(16) char smem[];  // aligned to 1024 below
+  allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
+  const int unit_index = blockIdx.x / p.head_blocks;
+  const int head_block = blockIdx.x - unit_index * p.head_blocks;
+  Unit u;
+  if (!start_unit(p, unit_index, u)) return;  // padding unit (or unusable row)
+  const int h0 = head_block * kRowsPerTile;
+  const int hb = min(kRowsPerTile, p.num_heads - h0);
+  const int rows = u.q_len * hb;
+  if (rows > kRowsPerTile) return;  // cannot happen with q_len <= q_tile; keeps tiles in bounds
+  if (rows <= 16) {
+    // The narrow body is two warpgroups; the third hands them its registers (the
+    // body wants more than the 168 a thread gets at entry) and leaves.
+    if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
+      release_registers<24>();
+      return;
+    }
+    claim_registers<232>();
+    attend_unit_narrow<T, NarrowShape64x3>(p, u, h0, hb, smem);
+    return;
+  }
+#ifdef JAX_MLA_HAS_WGMMA
+  using W = WideSm90;
+  uint32_t base = smem_addr(smem);
+  base += (1024 - (base & 1023)) & 1023;
+  finish_unit(p, u);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < W::STAGES; ++s)
+      for (int g = 0; g < 3; ++g) {
+        mbar_init(W::full_bar(base, s, g), 128 + (g == W::kRope ? 4 : 0));
+        mbar_init(W::empty_bar(base, s, g), W::empty_count(s, g));
+      }
+    mbar_init(W::query_bar(base), 128);
+    mbar_init(W::a_ready_bar(base), 128);
+    mbar_init(W::b_ready_bar(base), 128);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);  // warp-uniform, as wgmma needs
+  if (wg == 0) {
+    release_registers<40>();
+    wide_producer<T>(p, u, h0, hb, base);
+  } else {
+    claim_registers<232>();
+    if (wg == 1) {
+      wide_consumer<T, 0>(p, u, h0, hb, base);
+    } else {
+      wide_consumer<T, 1>(p, u, h0, hb, base);
+    }
+  }
+#endif
+}
+
+}  // namespace cuda
+}  // namespace jax_mla

@@ -34,6 +34,7 @@ CASES = [  # heads, page_size, qo, kv, dtype, padding, device_kv, bad_pages
     (16, 1, [4, 3], [300, 45], "float16", 0, [297, 2], True),
     (128, 1, [1, 1], [200, 31], "float32", 1, None, False),
     (16, 16, [1, 2], [5000, 300], "bfloat16", 0, None, False),  # > 16 splits: four-part merge
+    (32, 16, [2, 1, 2, 1], [333, 190, 64, 2], "float16", 1, None, True),  # wide body, odd block counts
 ]
 
 

@@ -213,6 +213,47 @@ def test_many_and_few_splits_in_one_batch(rng, heads):
     check_against_reference(batch, plan)
 
 
+# ---- units of more than 16 query rows -------------------------------------------------
+# On an H200 these take the sm_90a warp-specialised body (64-key blocks taken in
+# pairs by two consumer warpgroups): kv lengths of one, an odd and an even number
+# of blocks, partial last blocks, fresh prefills (kv == q), an empty request,
+# padding tokens, and one invalid page id mid-request.
+
+def _wide_cases():
+    cases = []
+    for heads, q_len, ps, split, dtype in ((128, 1, 64, False, BF16), (128, 1, 16, True, BF16),
+                                           (128, 2, 128, True, F16), (64, 1, 1, False, F16),
+                                           (64, 1, 64, True, BF16), (32, 1, 128, False, BF16),
+                                           (32, 2, 16, True, BF16), (16, 2, 64, False, BF16),
+                                           (16, 4, 16, True, F16), (16, 3, 1, False, BF16),
+                                           (16, 2, 128, True, BF16), (40, 1, 64, True, BF16),
+                                           (20, 3, 16, False, F16)):
+        cases.append(pytest.param(heads, q_len, ps, split, dtype,
+                                  id=f"h{heads}-q{q_len}-ps{ps}-{'split' if split else 'nosplit'}-{dtype.name}"))
+    return cases
+
+
+@pytest.mark.parametrize("heads,q_len,page_size,split,dtype", _wide_cases())
+def test_wide_units(rng, heads, q_len, page_size, split, dtype):
+    require_kernel(*DEEPSEEK)
+    qo = rng.integers(1, q_len + 1, 8)
+    qo[:3] = q_len
+    kv = np.maximum(rng.integers(1, 700, 8), qo)
+    kv[0], kv[1], kv[2] = 64 * 3, 64 * 4 + 5, qo[2]  # odd / even block counts, a fresh prefill
+    qo[3] = kv[3] = 0  # an empty request slot
+    padding = 2
+    t = int(qo.sum()) + padding
+    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=page_size, d_ckv=DEEPSEEK[0],
+                               d_kpe=DEEPSEEK[1], dtype=dtype, num_tokens=t)
+    table = batch.page_table_host.copy()
+    table[4, 1] = -3  # keys 1 page into request 4 contribute nothing
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=page_size, num_tokens=t,
+                    target=SPLIT if split else NO_SPLIT)
+    assert_splits(plan, split)
+    _, ref_lse = check_against_reference(batch, plan, page_table=jnp.asarray(table))
+    assert np.isneginf(ref_lse[-padding:]).all()
+
+
 # ---- one plan, other device lengths -------------------------------------------------
 
 @pytest.mark.parametrize("dims", [SMALL, DEEPSEEK], ids=["small", "deepseek"])

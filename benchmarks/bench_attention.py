@@ -1,9 +1,12 @@
-"""Times the CUDA paged MLA op against FlashInfer 0.2.5 (fa2, fa3) and a copy ceiling.
+"""Times the CUDA paged MLA op against FlashInfer 0.2.5 (fa2, fa3), FlashMLA's dense
+sm90 decode and a copy ceiling.
 
     python3 benchmarks/bench_attention.py [--out benchmarks/results] [--sweep] [--quick]
+        [--flashmla .peer/flashmla] [--fa2]
 
 Per shape (batch x kv_len x heads x page_size x q_len, bf16, d_ckv 512, d_kpe 64,
-random page tables, random normal data):
+random page tables, random normal data; kv_len and q_len may be ranges drawn per
+request, "U[lo,hi]"):
 
 * ours: K calls of the op inside one jit, recorded by XLA into a command buffer
   (XLA_FLAGS below, unless set) (each call on its own query array and
@@ -18,6 +21,11 @@ random page tables, random normal data):
 * FlashInfer (when importable): BatchMLAPagedAttentionWrapper on the same
   arrays (shared through DLPack), K calls captured in a CUDA graph (eager if
   capture fails), CUDA events, median over repetitions.
+* FlashMLA (with --flashmla DIR, the peer kit of ../shared/peers/flashmla copied
+  to DIR, built by its bench.build()): dense_decode_fwd on the same data in its
+  layout (ckv | kpe in one [pages, 64, 1, 576] buffer, made once, outside the
+  timing), scheduler metadata made once as in FlashMLA's own use, K calls in a
+  CUDA graph, events, median. Page size 64 and one q_len per batch only.
 * copy ceiling: device-to-device copy of 1 GiB, bytes read + written.
 
 Bytes = kv tokens x 576 x 2 (each request's keys read once); FLOPs =
@@ -58,22 +66,38 @@ D_CKV, D_KPE = 512, 64
 SCALE = 1.0 / math.sqrt(192.0)
 L2_BYTES = 60 * 2**20
 
-# (batch, kv_len, heads, page_size, q_len) -> (unit, bound); "us" is a ceiling, the rest floors.
+# A shape: (batch, kv_len, heads, page_size, q_len); kv_len may be ("U", lo, hi, seed) and q_len
+# ("U", lo, hi): drawn per request. Targets (issue 9): "us" a ceiling; "TB/s", "TFLOP/s" floors;
+# "peer": ours at least this many times as fast as the faster peer measured in the same run.
+def U(lo, hi, seed=None):
+    return ("U", lo, hi) if seed is None else ("U", lo, hi, seed)
+
+
 TARGETS = {
-    (1, 32768, 16, 64, 1): ("us", 20.0),
-    (32, 4096, 16, 64, 1): ("TB/s", 2.7),
-    (128, 4096, 16, 64, 1): ("TB/s", 3.6),
-    (128, 4096, 16, 1, 1): ("TB/s", 3.4),
-    (128, 4096, 128, 64, 1): ("TFLOP/s", 265.0),
+    (1, 32768, 16, 64, 1): [("peer", 1.0)],
+    (32, 4096, 16, 64, 1): [("peer", 1.0)],
+    (128, 4096, 16, 64, 1): [("TB/s", 4.1), ("peer", 1.0)],
+    (128, 4096, 16, 1, 1): [("peer", 1.0)],
+    (128, 4096, 128, 64, 1): [("TFLOP/s", 660.0)],
+    (128, 4096, 16, 64, 2): [("peer", 1.0)],
+    (128, 4096, 16, 64, 4): [("peer", 1.0)],
+    (128, 4096, 32, 64, 1): [("peer", 1.0)],
+    (128, 4096, 64, 64, 1): [("peer", 1.0)],
+    (32, 4096, 128, 64, 1): [("peer", 1.0)],
+    (1, 32768, 128, 64, 1): [("peer", 1.0)],
+    (64, 8192, 128, 64, 1): [("peer", 1.0)],
 }
 EXTRA_SHAPES = [
     (64, 8192, 16, 64, 1),
-    (128, 4096, 16, 64, 2),
-    (128, 4096, 16, 64, 4),
-    (32, 4096, 128, 64, 1),
-    (1, 32768, 128, 64, 1),
     (8, 8192, 16, 16, 1),
+    # ragged: random lengths (the first two as in the FlashMLA kit), mixed q_len, odd head counts
+    (48, U(1, 8192, 7), 32, 64, 1),
+    (32, U(1000, 8192, 5), 128, 64, 1),
+    (64, U(256, 8192, 3), 20, 64, U(1, 3)),
+    (96, U(64, 4096, 4), 40, 16, U(1, 3)),
 ]
+# q_len 2 against q_len 1 at the same batch: costs at most this much more.
+Q2_OVER_Q1 = ((128, 4096, 16, 64, 2), (128, 4096, 16, 64, 1), 1.05)
 SWEEP_SHAPES = [
     (1, 32768, 16, 64, 1),
     (32, 4096, 16, 64, 1),
@@ -92,16 +116,32 @@ SWEEP_TARGETS = [  # (units_per_worker, min_chunk, unit_overhead); chunk_align 6
 ]
 
 
+def _spec(x):
+    return f"U[{x[1]},{x[2]}]" if isinstance(x, tuple) else str(x)
+
+
 def shape_name(s):
     b, l, h, ps, q = s
-    return f"{b}x{l} h{h} ps{ps} q{q}"
+    return f"{b}x{_spec(l)} h{h} ps{ps} q{_spec(q)}"
+
+
+def lengths_of(s, seed=0):
+    """Per-request (q_len, kv_len) of a shape, as host int64 arrays (kv_len >= q_len)."""
+    b, l, h, ps, q = s
+    if isinstance(l, tuple):
+        kv = np.random.default_rng(l[3] if len(l) > 3 else seed).integers(l[1], l[2] + 1, b)
+    else:
+        kv = np.full(b, l)
+    qo = np.random.default_rng(seed + 101).integers(q[1], q[2] + 1, b) if isinstance(q, tuple) else np.full(b, q)
+    return qo.astype(np.int64), np.maximum(kv, qo).astype(np.int64)
 
 
 def work_of(s):
     b, l, h, ps, q = s
-    seen = b * (q * l - q * (q - 1) // 2)  # causal, aligned to the end
+    qo, kv = lengths_of(s)
+    seen = int((qo * kv - qo * (qo - 1) // 2).sum())  # causal, aligned to the end
     flops = 2.0 * h * (D_CKV + D_CKV + D_KPE) * seen
-    nbytes = float(b) * l * (D_CKV + D_KPE) * 2
+    nbytes = float(kv.sum()) * (D_CKV + D_KPE) * 2
     return flops, nbytes
 
 
@@ -112,11 +152,18 @@ class Inputs:
         b, l, h, ps, q = s
         rng = np.random.default_rng(seed)
         self.shape = s
-        self.pages_per_req = -(-l // ps)
-        num_pages = b * self.pages_per_req
-        self.table_host = rng.permutation(num_pages).astype(np.int32).reshape(b, self.pages_per_req)
+        self.qo_lens, self.kv_lens_host = lengths_of(s, seed)
+        self.pages = -(-self.kv_lens_host // ps)  # per request
+        self.pages_per_req = int(self.pages.max())
+        num_pages = int(self.pages.sum())
+        perm = rng.permutation(num_pages).astype(np.int32)
+        self.table_host = np.zeros((b, self.pages_per_req), np.int32)  # unused entries: page 0, never read
+        at = 0
+        for r, n in enumerate(self.pages):
+            self.table_host[r, :n] = perm[at:at + n]
+            at += n
         self.page_table = jnp.asarray(self.table_host)
-        self.kv_lens = jnp.full((b,), l, jnp.int32)
+        self.kv_lens = jnp.asarray(self.kv_lens_host, jnp.int32)
         cache_bytes = num_pages * ps * (D_CKV + D_KPE) * 2
         self.n_sets = int(min(8, max(1, math.ceil(4 * L2_BYTES / cache_bytes))))
         key = jax.random.PRNGKey(seed)
@@ -125,14 +172,16 @@ class Inputs:
                     for i in range(self.n_sets)]
         self.kpe = [jax.random.normal(jax.random.fold_in(k_r, i), (num_pages, ps, D_KPE), jnp.bfloat16)
                     for i in range(self.n_sets)]
-        t = b * q
+        t = int(self.qo_lens.sum())
         self.q_nope = [jax.random.normal(jax.random.fold_in(k_q, 2 * i), (t, h, D_CKV), jnp.bfloat16)
                        for i in range(n_calls)]
         self.q_pe = [jax.random.normal(jax.random.fold_in(k_q, 2 * i + 1), (t, h, D_KPE), jnp.bfloat16)
                      for i in range(n_calls)]
         jax.block_until_ready((self.ckv, self.kpe, self.q_nope, self.q_pe))
-        self.qo_lens = np.full(b, q)
-        self.kv_lens_host = np.full(b, l)
+
+    @property
+    def uniform_q(self):
+        return int(self.qo_lens[0]) if (self.qo_lens == self.qo_lens[0]).all() else None
 
     def plan(self, target=None):
         b, l, h, ps, q = self.shape
@@ -204,9 +253,11 @@ def device_time_ours(inp: Inputs, plan, k, reps=7):
         shutil.rmtree(d, ignore_errors=True)
     if not events:
         return None
-    ours = sorted((e for e in events if "mla_attention_kernel" in e["name"] or "mla_merge_kernel" in e["name"]),
+    attention = ("mla_attention_kernel", "mla_attention_sm90_kernel", "mla_attention_f32_kernel")
+    is_attention = lambda name: any(a in name for a in attention)
+    ours = sorted((e for e in events if is_attention(e["name"]) or "mla_merge_kernel" in e["name"]),
                   key=lambda e: e["ts"])
-    starts = [e["ts"] for e in ours if "mla_attention_kernel" in e["name"]]
+    starts = [e["ts"] for e in ours if is_attention(e["name"])]
     if len(starts) != k * reps:
         return None
     spans = []
@@ -253,6 +304,24 @@ def _event_time(torch, fn, reps):
     return statistics.median(ts)
 
 
+def graph_time(torch, calls, name, n_calls, reps):
+    """Seconds per call of `calls` (n_calls launches) replayed as one CUDA graph (eager if capture fails)."""
+    calls()
+    torch.cuda.synchronize()
+    fn = calls
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            calls()
+        g.replay()
+        torch.cuda.synchronize()
+        fn = g.replay
+    except Exception as e:  # eager launches then; slower on small shapes
+        print(f"  ({name}: no graph capture: {type(e).__name__}: {e})", flush=True)
+        torch.cuda.synchronize()
+    return _event_time(torch, fn, reps) / n_calls
+
+
 def copy_ceiling(torch):
     """Bytes read + written per second of a 1 GiB device-to-device copy."""
     if torch is not None:
@@ -295,9 +364,11 @@ class FlashInferPeer:
         b, l, h, ps, q = inp.shape
         w = self.cls(self.workspace, backend=backend)
         i32 = dict(dtype=torch.int32, device="cuda")
-        w.plan(torch.arange(b + 1, **i32) * q, torch.arange(b + 1, **i32) * inp.pages_per_req,
-               torch.from_numpy(inp.table_host.reshape(-1).copy()).to("cuda"), torch.full((b,), l, **i32),
-               h, D_CKV, D_KPE, ps, q > 1, SCALE, torch.bfloat16, torch.bfloat16)
+        cum = lambda x: torch.from_numpy(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)).to("cuda")
+        indices = np.concatenate([inp.table_host[r, :n] for r, n in enumerate(inp.pages)])
+        w.plan(cum(inp.qo_lens), cum(inp.pages), torch.from_numpy(indices.astype(np.int32)).to("cuda"),
+               torch.from_numpy(inp.kv_lens_host.astype(np.int32)).to("cuda"),
+               h, D_CKV, D_KPE, ps, bool((inp.qo_lens > 1).any()), SCALE, torch.bfloat16, torch.bfloat16)
         qn = [_to_torch(torch, x) for x in inp.q_nope[:n_calls]]
         qp = [_to_torch(torch, x) for x in inp.q_pe[:n_calls]]
         ckv = [_to_torch(torch, x) for x in inp.ckv]
@@ -310,20 +381,51 @@ class FlashInferPeer:
 
         w.run(qn[0], qp[0], ckv[0], kpe[0], out=outs[0])
         first = outs[0].float().cpu().numpy()
-        calls()
-        torch.cuda.synchronize()
-        fn = calls
-        try:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                calls()
-            g.replay()
-            torch.cuda.synchronize()
-            fn = g.replay
-        except Exception as e:  # eager launches then; slower on small shapes
-            print(f"  (flashinfer {backend}: no graph capture: {type(e).__name__}: {e})", flush=True)
-            torch.cuda.synchronize()
-        return _event_time(torch, fn, reps) / n_calls, first
+        return graph_time(torch, calls, f"flashinfer {backend}", n_calls, reps), first
+
+
+class FlashMLAPeer:
+    """FlashMLA's dense sm90 decode, built from the peer kit (module docstring)."""
+
+    def __init__(self, torch, kit_dir):
+        sys.path.insert(0, os.path.abspath(kit_dir))
+        import bench as kit  # the kit's bench.py: build() JIT-compiles (cached in the kit's build dir)
+        self.torch = torch
+        self.mod = kit.build(verbose=False)
+        commit = os.path.join(kit_dir, "src", "COMMIT")
+        self.version = open(commit).readline().strip() if os.path.exists(commit) else "?"
+
+    def unsupported(self, inp: Inputs):
+        if inp.shape[3] != 64:
+            return "page size 64 only"
+        if inp.uniform_q is None:
+            return "one q_len per batch only"
+        return None
+
+    def run(self, name, inp: Inputs, n_calls, reps=9):
+        torch = self.torch
+        b, l, h, ps, q = inp.shape
+        sq = inp.uniform_q
+        # FlashMLA's layout: ckv | kpe in one buffer, queries [B, q_len, H, 576] (made outside the timing).
+        kc = [torch.cat([_to_torch(torch, c), _to_torch(torch, r)], dim=-1).unsqueeze(2).contiguous()
+              for c, r in zip(inp.ckv, inp.kpe)]
+        qs = [torch.cat([_to_torch(torch, a), _to_torch(torch, c)], dim=-1).reshape(b, sq, h, D_CKV + D_KPE)
+              for a, c in zip(inp.q_nope[:n_calls], inp.q_pe[:n_calls])]
+        seqlens = torch.from_numpy(inp.kv_lens_host.astype(np.int32)).to("cuda")
+        table = torch.from_numpy(inp.table_host).to("cuda")
+        causal = sq > 1
+        meta, nsplits = self.mod.get_decode_sched_meta(seqlens, sq, h, 1)
+        first = self.mod.dense_decode_fwd(qs[0], kc[0], D_CKV, seqlens, table, SCALE, causal, meta, nsplits)[0]
+        first = first.reshape(-1, h, D_CKV).float().cpu().numpy()
+
+        def calls():
+            for k in range(n_calls):
+                self.mod.dense_decode_fwd(qs[k], kc[k % inp.n_sets], D_CKV, seqlens, table, SCALE, causal,
+                                          meta, nsplits)
+
+        t = graph_time(torch, calls, "flashmla", n_calls, reps)
+        del kc, qs
+        return t, first
 
 
 # ---- driver ------------------------------------------------------------------------------
@@ -349,13 +451,20 @@ def bench_shape(s, peers, copy_bps, sweep_targets=None):
     rec["ours_us"] = dev_s * 1e6 if dev_s is not None else rec["ours_wall_us"]
     ours = np.asarray(ours_output(inp, plan).astype(jnp.float32))
     for name, peer in peers.items():
+        why = peer.unsupported(inp) if hasattr(peer, "unsupported") else None
+        if why:
+            rec[f"{name}_us"] = None
+            rec[f"{name}_skipped"] = why
+            continue
         try:
             t, out = peer.run(name, inp, k2)
             rec[f"{name}_us"] = t * 1e6
             rec[f"{name}_vs_ours_rel_err"] = float(np.linalg.norm(out - ours) / max(np.linalg.norm(out), 1e-30))
         except Exception as e:
-            print(f"  flashinfer {name} failed on {shape_name(s)}: {type(e).__name__}: {e}", flush=True)
+            print(f"  {name} failed on {shape_name(s)}: {type(e).__name__}: {e}", flush=True)
             rec[f"{name}_us"] = None
+    done = [(rec[f"{n}_us"], n) for n in ("fa3", "flashmla") if rec.get(f"{n}_us")]
+    rec["best_peer_us"], rec["best_peer"] = min(done) if done else (None, None)
     if sweep_targets:
         rec["sweep"] = []
         for upw, mc, ov in sweep_targets:
@@ -374,27 +483,45 @@ def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def target_rows(rec):
+    """(target text, met) for each of the record's targets."""
+    s = (rec["batch"], rec["kv_len"], rec["heads"], rec["page_size"], rec["q_len"])
+    us = rec["ours_us"]
+    out = []
+    for unit, bound in TARGETS.get(s, []):
+        if unit == "peer":
+            best = rec.get("best_peer_us")
+            out.append((f">= {bound:g}x best peer", None if best is None else best / us >= bound))
+        else:
+            val = {"us": us, "TB/s": rec["bytes"] / us / 1e6, "TFLOP/s": rec["flops"] / us / 1e6}[unit]
+            out.append((f"{'<=' if unit == 'us' else '>='} {bound:g} {unit}",
+                        val <= bound if unit == "us" else val >= bound))
+    return out
+
+
 def table(records, copy_bps):
-    lines = ["| shape (B x L, heads, page, q_len) | ours us | GB/s | TFLOP/s | fa2 us | fa3 us | fa3/ours | "
-             "% copy ceiling | target | met | ours chain wall us |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape (B x L, heads, page, q_len) | ours us | GB/s | TFLOP/s | fa3 us | FlashMLA us | "
+             "best peer / ours | % copy ceiling | target | met | fa2 us | ours chain wall us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         s = (r["batch"], r["kv_len"], r["heads"], r["page_size"], r["q_len"])
         us = r["ours_us"]
         gbs = r["bytes"] / us / 1e3
         tfs = r["flops"] / us / 1e6
-        fa3 = r.get("fa3_us")
-        tgt = TARGETS.get(s)
-        met = "-"
-        tgt_s = "-"
-        if tgt:
-            unit, bound = tgt
-            val = {"us": us, "TB/s": gbs / 1e3, "TFLOP/s": tfs}[unit]
-            met = "yes" if (val <= bound if unit == "us" else val >= bound) else "NO"
-            tgt_s = f"{'<=' if unit == 'us' else '>='} {bound:g} {unit}"
-        lines.append(f"| {shape_name(s)} | {us:.1f} | {gbs:.0f} | {tfs:.1f} | {fmt(r.get('fa2_us'), '.1f')} | "
-                     f"{fmt(fa3, '.1f')} | {fmt(fa3 / us if fa3 else None, '.2f')} | "
-                     f"{100 * gbs * 1e9 / copy_bps:.0f}% | {tgt_s} | {met} | {fmt(r.get('ours_wall_us'), '.1f')} |")
+        best = r.get("best_peer_us")
+        tg = target_rows(r)
+        tgt_s = "; ".join(t for t, _ in tg) or "-"
+        met = "; ".join("-" if m is None else ("yes" if m else "NO") for _, m in tg) or "-"
+        lines.append(f"| {shape_name(s)} | {us:.1f} | {gbs:.0f} | {tfs:.1f} | {fmt(r.get('fa3_us'), '.1f')} | "
+                     f"{fmt(r.get('flashmla_us'), '.1f')} | {fmt(best / us if best else None, '.2f')} | "
+                     f"{100 * gbs * 1e9 / copy_bps:.0f}% | {tgt_s} | {met} | {fmt(r.get('fa2_us'), '.1f')} | "
+                     f"{fmt(r.get('ours_wall_us'), '.1f')} |")
+    by_shape = {(r["batch"], r["kv_len"], r["heads"], r["page_size"], r["q_len"]): r for r in records}
+    a, b, bound = Q2_OVER_Q1
+    if a in by_shape and b in by_shape:
+        ratio = by_shape[a]["ours_us"] / by_shape[b]["ours_us"]
+        lines.append(f"\n{shape_name(a)} costs {ratio:.3f}x {shape_name(b)} (target <= {bound}: "
+                     f"{'yes' if ratio <= bound else 'NO'})")
     return "\n".join(lines)
 
 
@@ -411,14 +538,14 @@ def roofline(records, copy_bps, peak, path):
     roof = np.minimum(copy_bps * xs, peak if peak else np.inf) / 1e12
     ax.loglog(xs, roof, "k-", lw=1, label=f"copy {copy_bps / 1e12:.2f} TB/s"
               + (f", matmul {peak / 1e12:.0f} TFLOP/s" if peak else ""))
-    marks = {"ours": ("o", "C0"), "fa2": ("s", "C1"), "fa3": ("^", "C2")}
+    marks = {"ours": ("o", "C0"), "fa2": ("s", "C1"), "fa3": ("^", "C2"), "flashmla": ("D", "C3")}
     for name, (m, c) in marks.items():
         pts = [(r["flops"] / r["bytes"], r["flops"] / (r[f"{name}_us"] * 1e-6) / 1e12)
                for r in records if r.get(f"{name}_us")]
         if pts:
             ax.scatter(*zip(*pts), marker=m, color=c, label=name, zorder=3)
     for r in records:
-        ax.annotate(f"{r['batch']}x{r['kv_len']} h{r['heads']} p{r['page_size']} q{r['q_len']}",
+        ax.annotate(f"{r['batch']}x{_spec(r['kv_len'])} h{r['heads']} p{r['page_size']} q{_spec(r['q_len'])}",
                     (r["flops"] / r["bytes"], r["flops"] / (r["ours_us"] * 1e-6) / 1e12), fontsize=6,
                     xytext=(3, -8), textcoords="offset points")
     ax.set_xlabel("FLOP / byte of kv cache")
@@ -436,6 +563,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="also time planner targets on split-sensitive shapes")
     ap.add_argument("--quick", action="store_true", help="target shapes only")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--fa2", action="store_true", help="also time FlashInfer's fa2 backend")
+    ap.add_argument("--flashmla", default=None, help="FlashMLA peer kit directory (built on first use)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -450,10 +579,17 @@ def main():
     if torch is not None and not args.no_peers:
         try:
             fi = FlashInferPeer(torch)
-            peers = {"fa2": fi, "fa3": fi}
+            peers = {"fa2": fi, "fa3": fi} if args.fa2 else {"fa3": fi}
             print(f"flashinfer {fi.version}", flush=True)
         except Exception as e:
             print(f"flashinfer not importable: {type(e).__name__}: {e}", flush=True)
+        if args.flashmla:
+            try:
+                t0 = time.time()
+                peers["flashmla"] = FlashMLAPeer(torch, args.flashmla)
+                print(f"flashmla {peers['flashmla'].version} ({time.time() - t0:.0f} s to build/load)", flush=True)
+            except (Exception, SystemExit) as e:  # the kit's build() exits when its sources are missing
+                print(f"flashmla not available: {type(e).__name__}: {e}", flush=True)
 
     shapes = list(TARGETS) + ([] if args.quick else EXTRA_SHAPES)
     records = []
@@ -462,8 +598,9 @@ def main():
         rec = bench_shape(s, peers, copy_bps)
         records.append(rec)
         print(f"{shape_name(s)}: ours {rec['ours_us']:.1f} us ({rec['ours_timing']}; chain wall "
-              f"{rec['ours_wall_us']:.1f}), fa2 {fmt(rec.get('fa2_us'), '.1f')}, "
-              f"fa3 {fmt(rec.get('fa3_us'), '.1f')} ({time.time() - t0:.0f} s) {rec['plan']}", flush=True)
+              f"{rec['ours_wall_us']:.1f}), fa3 {fmt(rec.get('fa3_us'), '.1f')}, "
+              f"flashmla {fmt(rec.get('flashmla_us'), '.1f')} ({time.time() - t0:.0f} s) {rec['plan']}",
+              flush=True)
 
     sweep = []
     if args.sweep:
@@ -478,13 +615,14 @@ def main():
     md = table(records, copy_bps)
     meta = dict(device=dev.device_kind, jax=jax.__version__, copy_ceiling_GBps=copy_bps / 1e9,
                 matmul_TFLOPs=peak / 1e12 if peak else None, default_target=str(default_target()),
-                flashinfer=peers["fa2"].version if peers else None,
+                flashinfer=peers["fa3"].version if "fa3" in peers else None,
+                flashmla=peers["flashmla"].version if "flashmla" in peers else None,
                 command="python3 benchmarks/bench_attention.py " + " ".join(sys.argv[1:]),
                 method="ours_us: jit of K calls in an XLA command buffer under jax.profiler, device span of each "
                        "chain (first kernel start to last kernel end, CUPTI) / K, median of 7 (ours_timing says "
                        "'wall' where no trace was available); ours_wall_us: (t(K2)-t(K1))/(K2-K1) of two such "
-                       "jits, wall clock, median of 9; flashinfer: CUDA graph of K calls, events, median of 9; "
-                       "copy: 1 GiB D2D, events")
+                       "jits, wall clock, median of 9; flashinfer and flashmla: CUDA graph of K calls, events, median "
+                       "of 9; copy: 1 GiB D2D, events")
     with open(os.path.join(args.out, "h200.json"), "w") as f:
         json.dump(dict(meta=meta, records=records, sweep=sweep), f, indent=1)
     with open(os.path.join(args.out, "bench.md"), "w") as f:

@@ -4,7 +4,7 @@
 // benchmarks/sanitize_harness.py, which also checks the outputs against a
 // NumPy reference.
 //
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
 //        benchmarks/sanitize_harness.cu -o /tmp/mla_harness
 //   /tmp/mla_harness case0.bin [case1.bin ...]   (writes caseN.bin.out)
 //   /tmp/mla_harness --time timeN.bin ...         (device time per call of the op,

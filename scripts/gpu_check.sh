@@ -5,7 +5,8 @@
 # benchmark JSON and the roofline land in $OUT (default /tmp/jax_mla_out).
 #
 #   scripts/gpu_check.sh [build] [decode] [check|quickcheck] [test] [sanitize] [timing] [bench] [sweep]
-#   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests)
+#   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests; a failed check skips
+#   the steps after it unless KEEP_GOING is set)
 #
 # FlashInfer 0.2.5 for the benchmark's peers: its sdist in .peer/ (git-ignored;
 # `pip download --no-deps flashinfer-python==0.2.5 -d .peer`), installed here
@@ -25,7 +26,7 @@ note() { echo "== $* ($(date +%T))" | tee -a "$LOGS/summary.txt"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$LOGS/gpu.txt" 2>&1
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' >> "$LOGS/gpu.txt" 2>&1
 
-# FlashInfer: install and JIT-build its two MLA backends in the background
+# FlashInfer: install and JIT-build its MLA backend(s) in the background
 # (CPU work, overlaps the build and the tests; the cache stays on this machine).
 export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=12 FLASHINFER_WORKSPACE_BASE=/tmp
 fi_pid=
@@ -37,13 +38,25 @@ if ls .peer/flashinfer_python-*.tar.gz > /dev/null 2>&1 && [ ! -f /tmp/fi/.jit_d
     PYTHONPATH=/tmp/fi python3 -c '
 import time, torch
 from flashinfer.mla import get_batch_mla_module
-for b in ("fa2", "fa3"):
+for b in ("fa3", "fa2") if "--fa2" in "${BENCH_ARGS:-}" else ("fa3",):
     t = time.time()
     get_batch_mla_module(b)(torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, 512, 64, False)
     print("flashinfer", b, "built in", round(time.time() - t), "s", flush=True)
 ' && touch /tmp/fi/.jit_done
   ) > "$LOGS/flashinfer_setup.log" 2>&1 &
   fi_pid=$!
+fi
+
+# FlashMLA (peer kit in .peer/flashmla, README in ../shared/peers/flashmla): CUTLASS from the
+# FlashInfer sdist, then its JIT build in the background (~110 s on 16 cores).
+fm_pid=
+fm_dir=.peer/flashmla
+if (has bench || has sweep) && [ -f $fm_dir/bench.py ] && ls .peer/flashinfer_python-*.tar.gz > /dev/null 2>&1; then
+  (
+    bash $fm_dir/extract.sh "$(realpath "$(ls .peer/flashinfer_python-*.tar.gz | head -1)")" && \
+      MAX_JOBS=12 TORCH_CUDA_ARCH_LIST=9.0a python3 -c "import sys; sys.path.insert(0, '$fm_dir'); import bench; bench.build(verbose=False)"
+  ) > "$LOGS/flashmla_setup.log" 2>&1 &
+  fm_pid=$!
 fi
 
 if has build; then
@@ -67,8 +80,8 @@ fi
 if (has check || has quickcheck) && [ $built -eq 0 ]; then
   note check
   small=""; has check || small="--small"
-  timeout 240 python3 benchmarks/sanitize_case.py $small 2>&1 | tee "$LOGS/check.log" | tail -20
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  timeout ${CHECK_TIMEOUT:-240} python3 benchmarks/sanitize_case.py $small 2>&1 | tee "$LOGS/check.log" | tail -20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; [ -n "${KEEP_GOING:-}" ] || built=1; }  # wrong kernels: skip the rest
 fi
 
 if has test && [ $built -eq 0 ]; then
@@ -81,7 +94,7 @@ if has sanitize && [ $built -eq 0 ]; then
   # Standalone driver (no JAX): one cudaMalloc per operand, so memcheck sees each
   # operand's true bounds; outputs then checked against NumPy.
   note "sanitizer harness build"
-  nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
+  nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
     benchmarks/sanitize_harness.cu -o /tmp/mla_harness > "$LOGS/harness_build.log" 2>&1 || status=1
   JAX_PLATFORMS=cpu python3 benchmarks/sanitize_harness.py make /tmp/mla_cases | tee "$LOGS/harness_cases.log"
   for tool in memcheck racecheck synccheck; do
@@ -108,7 +121,7 @@ if has timing && [ $built -eq 0 ]; then
   # The target shapes through the standalone driver: device time per call of the op, of each of its
   # kernels alone and with other merge grids, CUDA graphs and events (no JAX).
   note "driver timing"
-  nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
+  nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
     benchmarks/sanitize_harness.cu -o /tmp/mla_harness > "$LOGS/harness_build.log" 2>&1 || status=1
   JAX_PLATFORMS=cpu python3 benchmarks/sanitize_harness.py timing /tmp/mla_timing > "$LOGS/timing_cases.log" 2>&1
   timeout 240 /tmp/mla_harness --time /tmp/mla_timing/time*.bin 2>&1 | tee "$LOGS/timing.log"
@@ -116,10 +129,12 @@ if has timing && [ $built -eq 0 ]; then
 fi
 
 [ -n "$fi_pid" ] && { wait $fi_pid; tail -4 "$LOGS/flashinfer_setup.log"; }
-if has bench || has sweep; then
+[ -n "$fm_pid" ] && { wait $fm_pid; tail -3 "$LOGS/flashmla_setup.log"; }
+if (has bench || has sweep) && [ $built -eq 0 ]; then
   export PYTHONPATH=/tmp/fi${PYTHONPATH:+:$PYTHONPATH}
   args="${BENCH_ARGS:-}"
-  has sweep && args="--sweep"
+  has sweep && args="$args --sweep"
+  [ -f $fm_dir/bench.py ] && args="$args --flashmla $fm_dir"
   note "bench $args"
   timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_attention.py --out "$OUT" $args 2>&1 | tee "$LOGS/bench.log" \
     | grep -v "^  \|INFO" | tail -45

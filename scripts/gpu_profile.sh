@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jax_mla_out}
 mkdir -p "$OUT"
 export PATH=$PATH:/usr/local/cuda/bin
-nvcc -gencode=arch=compute_90a,code=sm_90a -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
+nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
   benchmarks/sanitize_harness.cu -o /tmp/mla_harness || exit 1
 JAX_PLATFORMS=cpu python3 benchmarks/sanitize_harness.py profile /tmp/mla_prof || exit 1
 timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --kernel-name regex:mla_ \

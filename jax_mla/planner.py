@@ -32,6 +32,7 @@ WORK_COLS = 8
 M_QSTART, M_QLEN, M_PARTIAL_ROW, M_NUM_SPLITS = range(4)
 MERGE_COLS = 4
 KV_END_OPEN = 0x7FFFFFFF
+INT32_MAX = 2**31 - 1
 
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -151,10 +152,16 @@ def _as_lengths(name: str, x: Any) -> np.ndarray:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if a.size and a.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
+    if a.size and a.dtype.kind == "u" and a.max() > INT32_MAX:  # before the cast: uint64 can wrap
+        i = int(np.argmax(a))
+        raise ValueError(f"{name}[{i}] = {int(a[i])} does not fit int32 (the kernels' lengths)")
     a = a.astype(np.int64, copy=False)
     if a.size and a.min() < 0:
         i = int(np.argmin(a))
         raise ValueError(f"{name}[{i}] = {int(a[i])} is negative")
+    if a.size and a.max() > INT32_MAX:
+        i = int(np.argmax(a))
+        raise ValueError(f"{name}[{i}] = {int(a[i])} does not fit int32 (the kernels' lengths)")
     return a
 
 
@@ -206,8 +213,12 @@ def plan_mla(
                              f"{int(max_pages_per_request)} pages x {page_size} = {cap} tokens")
     qo_end = np.cumsum(qo)
     total_q = int(qo_end[-1]) if qo.size else 0
+    if total_q > INT32_MAX:
+        raise ValueError(f"sum(qo_lens) = {total_q} query tokens does not fit int32")
     if num_tokens is None:
         num_tokens = total_q
+    if not isinstance(num_tokens, (int, np.integer)) or num_tokens > INT32_MAX:
+        raise ValueError(f"num_tokens={num_tokens!r} must be an int that fits int32")
     if num_tokens < total_q:
         raise ValueError(f"num_tokens={num_tokens} is less than sum(qo_lens)={total_q}")
     if target is None:

@@ -136,3 +136,28 @@ def test_plan_covers_every_slot():
     np.testing.assert_array_equal(np.asarray(plan.tokens)[:, 0], [0, 1, -1, -1, -1, -1, -1, -1])
     with pytest.raises(ValueError, match="exceeds the page table's capacity"):
         m.plan(qo, np.array([25, 3, 0, 0]), num_heads=3, num_tokens=8)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m.finish(-1), r"slot -1 is not in \[0, 4\)"),
+    (lambda m: m.finish(4), r"slot 4 is not in \[0, 4\)"),
+    (lambda m: m.finish(2), "slot 2 holds no request"),
+    (lambda m: m.finish(True), "slot must be an int"),
+    (lambda m: m.finish(1.0), "slot must be an int"),
+    (lambda m: m.reserve([0, -1], 1), r"slot -1 is not in \[0, 4\)"),
+    (lambda m: m.reserve([0], -2), "new_tokens must be >= 0, got -2"),
+    (lambda m: m.reserve([0], 1.5), "new_tokens must be integers"),
+    (lambda m: m.commit([1], -1), "new_tokens must be >= 0, got -1"),
+    (lambda m: m.commit([7], 1), r"slot 7 is not in \[0, 4\)"),
+    (lambda m: m.commit([3], 1), "slot 3 holds no request"),
+    (lambda m: m.pages_needed([-4], 1), r"slot -4 is not in \[0, 4\)"),
+])
+def test_bad_ids_and_counts_raise_and_change_nothing(call, match):
+    """Negative ids used to wrap (numpy indexing): finish(-1) freed slot 3's row and put -1 on the free
+    list; a negative count shrank a request and lost its cached tokens."""
+    m = make()
+    m.admit([5, 4])
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=match):
+        call(m)
+    assert_same(snapshot(m), before)

@@ -165,3 +165,27 @@ def test_temperature_sampling_same_in_both_loops(model, reference_run):
         outs.append(gen.results())
     assert outs[0] == outs[1]  # one key per step, split the same way on both paths
     assert outs[0] != greedy
+
+
+def test_bad_arguments_raise_before_anything_changes(model):
+    with pytest.raises(ValueError, match="backend='fast'"):
+        Generator(model, manager(), backend="fast")
+    with pytest.raises(ValueError, match="temperature"):
+        Generator(model, manager(), temperature=-1.0)
+    mgr = manager(max_requests=2)
+    gen = Generator(model, mgr, backend="reference")
+    (a,) = gen.prefill(PROMPTS[:1])
+    lengths = mgr.lengths.copy()
+    for call, match in ((lambda: gen.decode_jitted(-2), "num_steps must be an int >= 0, got -2"),
+                        (lambda: gen.decode(-1), "num_steps must be an int >= 0, got -1"),
+                        (lambda: gen.decode(2, fetch_lag=-1), "fetch_lag"),
+                        (lambda: gen.decode(1.5), "num_steps"),
+                        (lambda: gen.finish(-1), r"slot -1 is not in \[0, 2\)"),
+                        (lambda: gen.finish(1), "slot 1 holds no request")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    np.testing.assert_array_equal(mgr.lengths, lengths)
+    assert mgr.active.tolist() == [True, False] and len(mgr._free_slots) == 1
+    gen.decode_jitted(0)  # zero steps: nothing happens
+    np.testing.assert_array_equal(mgr.lengths, lengths)
+    assert len(gen.finish(a)) == 1

@@ -86,10 +86,37 @@ class PagedCacheManager:
     def capacity_per_request(self) -> int:
         return self.max_pages_per_request * self.page_size
 
+    # ---- argument checks (every public method; nothing changes before they pass) ----
+    def _slots(self, slots, *, active: bool = True) -> np.ndarray:
+        """Slots as a 1-D int64 array: integers in [0, max_requests), holding a request if `active`."""
+        a = np.asarray(slots)
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(f"slots must be integers, got {slots!r}")
+        a = a.astype(np.int64).reshape(-1)
+        bad = np.nonzero((a < 0) | (a >= self.max_requests))[0]
+        if bad.size:
+            raise ValueError(f"slot {int(a[bad[0]])} is not in [0, {self.max_requests})")
+        if active:
+            idle = np.nonzero(~self.active[a])[0]
+            if idle.size:
+                raise ValueError(f"slot {int(a[idle[0]])} holds no request")
+        return a
+
+    @staticmethod
+    def _counts(new_tokens, shape) -> np.ndarray:
+        """Token counts broadcast to `shape`: non-negative integers."""
+        a = np.asarray(new_tokens)
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(f"new_tokens must be integers, got {new_tokens!r}")
+        a = np.broadcast_to(a.astype(np.int64), shape)
+        if a.size and a.min() < 0:
+            raise ValueError(f"new_tokens must be >= 0, got {int(a.min())}")
+        return a
+
     def pages_needed(self, slots: Sequence[int], new_tokens: Sequence[int] | int) -> np.ndarray:
         """Extra pages each slot needs to hold `new_tokens` more tokens."""
-        slots = np.asarray(slots, np.int64)
-        want = self.lengths[slots] + np.asarray(new_tokens, np.int64)
+        slots = self._slots(slots, active=False)
+        want = self.lengths[slots] + self._counts(new_tokens, slots.shape)
         return np.maximum(-(-want // self.page_size) - self.pages_held[slots], 0)
 
     # ---- requests -----------------------------------------------------------
@@ -128,11 +155,8 @@ class PagedCacheManager:
         ValueError (a request would outgrow its page-table row) leave every
         structure unchanged.
         """
-        slots = np.asarray(slots, np.int64).reshape(-1)
-        new = np.broadcast_to(np.asarray(new_tokens, np.int64), slots.shape)
-        idle = np.nonzero(~self.active[slots])[0]
-        if idle.size:
-            raise ValueError(f"slot {int(slots[idle[0]])} holds no request")
+        slots = self._slots(slots)
+        new = self._counts(new_tokens, slots.shape)
         want = self.lengths[slots] + new
         over = np.nonzero(want > self.capacity_per_request)[0]
         if over.size:
@@ -150,8 +174,8 @@ class PagedCacheManager:
 
     def commit(self, slots: Sequence[int], new_tokens: Sequence[int] | int) -> None:
         """Record that `new_tokens` tokens were written for each slot (after the step ran)."""
-        slots = np.asarray(slots, np.int64).reshape(-1)
-        want = self.lengths[slots] + np.asarray(new_tokens, np.int64)
+        slots = self._slots(slots)
+        want = self.lengths[slots] + self._counts(new_tokens, slots.shape)
         short = np.nonzero(want > self.pages_held[slots] * self.page_size)[0]
         if short.size:
             s = int(slots[short[0]])
@@ -161,9 +185,9 @@ class PagedCacheManager:
 
     def finish(self, slot: int) -> None:
         """Release a request: its pages go back to the free list and its row is cleared."""
-        slot = int(slot)
-        if not self.active[slot]:
-            raise ValueError(f"slot {slot} holds no request")
+        if isinstance(slot, (bool, np.bool_)) or not isinstance(slot, (int, np.integer)):
+            raise ValueError(f"slot must be an int, got {slot!r}")
+        slot = int(self._slots([slot])[0])
         n = int(self.pages_held[slot])
         # Give pages back in reverse so the next request reuses them in order.
         self._free_pages.extend(int(p) for p in self.page_table[slot, :n][::-1])

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..attention import resolve_backend
 from .attention import FORMS, PagedBatch
 from .cache_manager import PagedCacheManager, bucket
 from .model import DeepseekModel
@@ -62,6 +63,13 @@ def _sample(logits: jax.Array, rng: jax.Array, temperature: float) -> tuple[jax.
     return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32), rng
 
 
+def _count(name: str, value, *, minimum: int = 0) -> int:
+    """An integer argument >= minimum (bools refused), or a ValueError naming it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
 class Generator:
     """Batched greedy (or temperature) generation with a DeepseekModel over a paged cache.
 
@@ -74,9 +82,13 @@ class Generator:
                  cache_dtype=None, temperature: float = 0.0, seed: int = 0, min_token_bucket: int = 8):
         self.cfg = model.cfg
         self.manager = manager
+        # An unknown name (or 'ffi' where no kernel is built) fails here, not at the first step.
+        resolve_backend(backend, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
         self.backend = backend
+        if not (np.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         self.temperature = float(temperature)
-        self.min_token_bucket = int(min_token_bucket)
+        self.min_token_bucket = _count("min_token_bucket", min_token_bucket, minimum=1)
         self.graphdef, params = nnx.split(model)
         # Steps take the parameters as a flat list: flattening an nnx.State on every
         # dispatch costs more host time than the rest of the dispatch.
@@ -215,6 +227,8 @@ class Generator:
         Tokens are read `fetch_lag` steps behind. Returns the per-step logits
         (device arrays [T, vocab], rows in slot order) when with_logits.
         """
+        num_steps = _count("num_steps", num_steps)
+        fetch_lag = _count("fetch_lag", fetch_lag)
         mgr = self.manager
         slots, qo, num_tokens = self._decode_rows()
         row_slot = np.full(num_tokens, -1, np.int64)
@@ -249,6 +263,8 @@ class Generator:
         Pages for all steps are reserved first and the plan is made for the
         lengths after the last step; the kernel clips to the device lengths.
         """
+        if _count("num_steps", num_steps) == 0:
+            return
         mgr = self.manager
         slots, qo, num_tokens = self._decode_rows()
         mgr.reserve(slots, num_steps)

@@ -66,22 +66,28 @@ def check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_s
         raise ValueError(f"plan has {plan.num_requests} requests but page_table has only {r} rows")
     if not isinstance(sm_scale, (float, int, np.floating)) or not np.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite Python float, got {sm_scale!r}")
-    # Host-known operands get value checks; traced ones were checked when made.
+    check_host_tables(page_table, kv_lens, p, ps)
+    return t, h, d_ckv, d_kpe
+
+
+def check_host_tables(page_table, kv_lens, num_pages: int, page_size: int) -> None:
+    """Value checks of host-known (NumPy) page tables and lengths; traced ones were checked when
+    made, and device ones are clipped by every kernel (and dropped by the cache append)."""
+    max_pages = np.shape(page_table)[1]
     pt = _host_value(page_table)
     if pt is not None and pt.size:
-        bad = np.argwhere((pt < 0) | (pt >= p))
+        bad = np.argwhere((pt < 0) | (pt >= num_pages))
         if bad.size:
             i, j = (int(v) for v in bad[0])
-            raise ValueError(f"page_table[{i}, {j}] = {int(pt[i, j])} is outside the cache's {p} pages")
+            raise ValueError(f"page_table[{i}, {j}] = {int(pt[i, j])} is outside the cache's {num_pages} pages")
     kl = _host_value(kv_lens)
     if kl is not None and kl.size:
-        cap = max_pages * ps
+        cap = max_pages * page_size
         over = np.nonzero((kl > cap) | (kl < 0))[0]
         if over.size:
             i = int(over[0])
             raise ValueError(f"kv_lens[{i}] = {int(kl[i])} is outside [0, {cap}] "
-                             f"(page_table holds {max_pages} pages x {ps} tokens per request)")
-    return t, h, d_ckv, d_kpe
+                             f"(page_table holds {max_pages} pages x {page_size} tokens per request)")
 
 
 def _host_value(x):

@@ -4,24 +4,31 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ._validate import check_host_tables
 from .planner import MLAPlan
-from .reference import visible_keys
 
 
 def cache_slots(page_table: jax.Array, kv_lens: jax.Array, plan: MLAPlan, num_pages: int) -> jax.Array:
     """Flat slot (page * page_size + offset) of each new token, or an out-of-range
-    index (dropped by the scatter) for padding tokens and invalid pages.
+    index (dropped by the scatter) for padding tokens, invalid pages and positions
+    outside the request's page-table row.
 
     Token with offset e from its request's end sits at position kv_len - e: the
-    kv lengths already include the new tokens, as in the op.
+    kv lengths already include the new tokens, as in the op. A device length past
+    the row's capacity drops the tokens that do not fit; it is never clipped onto
+    the row's last positions (that would overwrite cached keys).
     """
     ps = plan.page_size
     capacity = page_table.shape[1] * ps
-    req, n_vis = visible_keys(jnp.asarray(plan.tokens), kv_lens, capacity)
-    pos = n_vis - 1  # the token's own key is the last one it sees
-    page = page_table[req, jnp.clip(pos, 0, capacity - 1) // ps]
-    ok = (pos >= 0) & (page >= 0) & (page < num_pages)
+    tokens = jnp.asarray(plan.tokens)
+    req, e = tokens[:, 0], tokens[:, 1]
+    req_c = jnp.where(req >= 0, req, 0)
+    pos = kv_lens[req_c] - e  # int32: a length is < 2^31 and e >= 1
+    in_row = (req >= 0) & (pos >= 0) & (pos < capacity)
+    page = page_table[req_c, jnp.clip(pos, 0, capacity - 1) // ps]
+    ok = in_row & (page >= 0) & (page < num_pages)
     # Dropped rows get distinct out-of-range slots so the scatter's indices stay unique.
     dropped = num_pages * ps + jnp.arange(req.shape[0], dtype=page.dtype)
     return jnp.where(ok, page * ps + pos % ps, dropped)
@@ -54,6 +61,10 @@ def append_paged_kv(
         raise ValueError(f"kpe pages/page_size {kpe.shape[:2]} disagree with ckv's {(num_pages, ps)}")
     if plan.page_size != ps:
         raise ValueError(f"plan was made for page_size={plan.page_size}, but the cache has page_size {ps}")
+    if plan.num_requests > np.shape(page_table)[0] or plan.num_requests > np.shape(kv_lens)[0]:
+        raise ValueError(f"plan has {plan.num_requests} requests but page_table has {np.shape(page_table)[0]} rows "
+                         f"and kv_lens {np.shape(kv_lens)[0]} entries")
+    check_host_tables(page_table, kv_lens, num_pages, ps)  # as the op does: a bad host value raises
     slots = cache_slots(page_table, kv_lens, plan, num_pages)
     ckv = ckv.reshape(num_pages * ps, d_ckv).at[slots].set(ckv_new.astype(ckv.dtype), mode="drop",
                                                            unique_indices=True)

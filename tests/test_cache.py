@@ -75,3 +75,43 @@ def test_append_rejects_bad_rows(rng):
         append_paged_kv(b.ckv, b.kpe, jnp.zeros((2, 64)), jnp.zeros((1, 16)), b.page_table, b.kv_lens, plan)
     with pytest.raises(ValueError, match=r"kpe_new must have shape \(1, 16\)"):
         append_paged_kv(b.ckv, b.kpe, jnp.zeros((1, 64)), jnp.zeros((1, 8)), b.page_table, b.kv_lens, plan)
+
+
+def test_append_drops_tokens_past_the_row_and_changes_nothing_else(rng):
+    """Device lengths past the page table's capacity used to be clipped onto the row's last positions,
+    overwriting cached keys; tokens that do not fit are now dropped and every other row is unchanged."""
+    ps, max_pages = 16, 3
+    qo = np.array([2, 1, 3])
+    kv = np.array([20, 9, 40])
+    b = random_paged_batch(rng, qo, kv, num_heads=2, page_size=ps, max_pages=max_pages)
+    plan = plan_mla(qo, kv, num_heads=2, page_size=ps, target=PlanTarget(num_workers=2))
+    cap = max_pages * ps
+    device_kv = np.array([20, cap + 5, cap + 2], np.int32)  # request 1 entirely, request 2 partly past the row
+    new_c = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+    new_p = jnp.asarray(rng.standard_normal((6, 16)), jnp.float32)
+    got_c, got_p = jax.jit(append_paged_kv)(b.ckv, b.kpe, new_c, new_p, b.page_table, jnp.asarray(device_kv), plan)
+    want_c, want_p = np.array(b.ckv), np.array(b.kpe)
+    table = b.page_table_host
+    t = 0
+    for r, n in enumerate(qo):
+        for i in range(n):
+            pos = device_kv[r] - n + i
+            if pos < cap:
+                want_c[table[r, pos // ps], pos % ps] = new_c[t]
+                want_p[table[r, pos // ps], pos % ps] = new_p[t]
+            t += 1
+    np.testing.assert_array_equal(np.asarray(got_c), want_c)
+    np.testing.assert_array_equal(np.asarray(got_p), want_p)
+    assert (device_kv[1] - 1 >= cap) and (device_kv[2] - 3 < cap <= device_kv[2] - 1)  # the premise
+
+
+def test_append_checks_host_tables_as_the_op_does(rng):
+    b = random_paged_batch(rng, [1, 1], [3, 5], num_heads=2, page_size=16)
+    plan = plan_mla([1, 1], [3, 5], num_heads=2, page_size=16, target=PlanTarget(num_workers=2))
+    new_c, new_p = jnp.zeros((2, 64)), jnp.zeros((2, 16))
+    table = b.page_table_host.copy()
+    table[1, 0] = b.ckv.shape[0] + 3
+    with pytest.raises(ValueError, match=rf"page_table\[1, 0\] = {b.ckv.shape[0] + 3} is outside"):
+        append_paged_kv(b.ckv, b.kpe, new_c, new_p, table, b.kv_lens, plan)
+    with pytest.raises(ValueError, match=r"kv_lens\[0\] = 99 is outside"):
+        append_paged_kv(b.ckv, b.kpe, new_c, new_p, b.page_table_host, np.array([99, 5], np.int32), plan)

@@ -20,14 +20,20 @@ $(PY):
 	$(PY) -m pip install -q -U pip
 
 # Re-run the install (and so the native build) whenever the build inputs change.
-$(STAMP): pyproject.toml CMakeLists.txt $(NATIVE_SOURCES) $(MODULE_LIST) | $(PY)
+# The demo needs only flax and safetensors; the tests also bring torch and
+# transformers (HF parity), so each target installs its own extras.
+INPUTS := pyproject.toml CMakeLists.txt $(NATIVE_SOURCES) $(MODULE_LIST)
+$(STAMP)-demo: $(INPUTS) | $(PY)
+	$(PY) -m pip install -q -e ".[demo]"
+	touch $@
+$(STAMP)-test: $(INPUTS) | $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-install: $(STAMP)
+install: $(STAMP)-test
 
-demo: $(STAMP)
+demo: $(STAMP)-demo
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP)-test
 	$(PY) -m pytest -q -ra

@@ -152,16 +152,13 @@ def _as_lengths(name: str, x: Any) -> np.ndarray:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if a.size and a.dtype.kind not in "iu":
         raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
-    if a.size and a.dtype.kind == "u" and a.max() > INT32_MAX:  # before the cast: uint64 can wrap
+    if a.size and a.max() > INT32_MAX:  # before the cast, which would wrap uint64
         i = int(np.argmax(a))
         raise ValueError(f"{name}[{i}] = {int(a[i])} does not fit int32 (the kernels' lengths)")
     a = a.astype(np.int64, copy=False)
     if a.size and a.min() < 0:
         i = int(np.argmin(a))
         raise ValueError(f"{name}[{i}] = {int(a[i])} is negative")
-    if a.size and a.max() > INT32_MAX:
-        i = int(np.argmax(a))
-        raise ValueError(f"{name}[{i}] = {int(a[i])} does not fit int32 (the kernels' lengths)")
     return a
 
 

@@ -483,12 +483,16 @@ def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
+def shape_of(rec):
+    """The shape tuple (TARGETS' key) a record was measured at."""
+    return rec["batch"], rec["kv_len"], rec["heads"], rec["page_size"], rec["q_len"]
+
+
 def target_rows(rec):
     """(target text, met) for each of the record's targets."""
-    s = (rec["batch"], rec["kv_len"], rec["heads"], rec["page_size"], rec["q_len"])
     us = rec["ours_us"]
     out = []
-    for unit, bound in TARGETS.get(s, []):
+    for unit, bound in TARGETS.get(shape_of(rec), []):
         if unit == "peer":
             best = rec.get("best_peer_us")
             out.append((f">= {bound:g}x best peer", None if best is None else best / us >= bound))
@@ -504,7 +508,7 @@ def table(records, copy_bps):
              "best peer / ours | % copy ceiling | target | met | fa2 us | ours chain wall us |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        s = (r["batch"], r["kv_len"], r["heads"], r["page_size"], r["q_len"])
+        s = shape_of(r)
         us = r["ours_us"]
         gbs = r["bytes"] / us / 1e3
         tfs = r["flops"] / us / 1e6
@@ -516,7 +520,7 @@ def table(records, copy_bps):
                      f"{fmt(r.get('flashmla_us'), '.1f')} | {fmt(best / us if best else None, '.2f')} | "
                      f"{100 * gbs * 1e9 / copy_bps:.0f}% | {tgt_s} | {met} | {fmt(r.get('fa2_us'), '.1f')} | "
                      f"{fmt(r.get('ours_wall_us'), '.1f')} |")
-    by_shape = {(r["batch"], r["kv_len"], r["heads"], r["page_size"], r["q_len"]): r for r in records}
+    by_shape = {shape_of(r): r for r in records}
     a, b, bound = Q2_OVER_Q1
     if a in by_shape and b in by_shape:
         ratio = by_shape[a]["ours_us"] / by_shape[b]["ours_us"]

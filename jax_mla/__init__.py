@@ -1,11 +1,13 @@
 """jax_mla: paged Multi-head Latent Attention (DeepSeek-V2/V3) for JAX."""
 
+from ._ffi import build_info
 from .attention import mla_paged_attention, resolve_backend
 from .cache import append_paged_kv
 from .planner import MLAPlan, PlanTarget, default_target, plan_mla
 from .reference import mla_paged_attention_reference
 
 __all__ = [
+    "build_info",
     "mla_paged_attention",
     "resolve_backend",
     "mla_paged_attention_reference",

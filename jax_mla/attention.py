@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +23,11 @@ BACKENDS = ("auto", "ffi", "reference")
 CUDA_DIMS = ((512, 64),)
 
 
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def resolve_backend(backend: str, d_ckv: int, d_kpe: int) -> str:
     """What `backend` ('auto', 'ffi' or 'reference') runs as on JAX's default platform for these head
     dims: 'ffi' or 'reference'. Raises ValueError for 'ffi' where no kernel is built for them."""
@@ -28,10 +36,16 @@ def resolve_backend(backend: str, d_ckv: int, d_kpe: int) -> str:
     if backend == "reference":
         return backend
     platform = jax.default_backend()
-    ok = _ffi.has_ffi(platform) and (platform == "cpu" or (d_ckv, d_kpe) in CUDA_DIMS)
-    if backend == "ffi" and not ok:
-        raise ValueError(f"backend='ffi' has no kernel for platform {platform!r} with "
-                         f"d_ckv={d_ckv}, d_kpe={d_kpe} (built: {sorted(_ffi.registered_platforms())})")
+    built = _ffi.has_ffi(platform)
+    ok = built and (platform == "cpu" or (d_ckv, d_kpe) in CUDA_DIMS)
+    if not ok:
+        why = (_ffi.unavailable_reason(platform) if not built else
+               f"the CUDA kernels are built for (d_ckv, d_kpe) in {CUDA_DIMS}")
+        if backend == "ffi":
+            raise ValueError(f"backend='ffi' has no kernel for platform {platform!r} with "
+                             f"d_ckv={d_ckv}, d_kpe={d_kpe}: {why}")
+        if not built and platform != "cpu":
+            _warn_once(f"jax_mla: no {platform} kernel ({why}); backend='auto' runs the jax.numpy reference")
     return "ffi" if ok else "reference"
 
 

@@ -66,7 +66,7 @@ if has build; then
   else
     tail -40 "$LOGS/build.log"; echo "BUILD FAILED"; status=1
   fi
-  python3 -c 'import jax_mla, jax; from jax_mla import _ffi; print("registered:", sorted(_ffi.registered_platforms()))' 2>&1 | tee -a "$LOGS/summary.txt"
+  python3 -c 'import jax_mla, pprint; pprint.pprint(jax_mla.build_info())' 2>&1 | tee -a "$LOGS/summary.txt"
 fi
 
 built=$status

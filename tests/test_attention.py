@@ -44,8 +44,7 @@ SCALE = 0.09
 def require_kernel(d_ckv: int, d_kpe: int) -> None:
     platform = jax.default_backend()
     if not _ffi.has_ffi(platform):
-        pytest.skip(f"no FFI kernel registered for platform {platform!r} "
-                    f"(built: {sorted(_ffi.registered_platforms())})")
+        pytest.skip(f"no FFI kernel for platform {platform!r}: {_ffi.unavailable_reason(platform)}")
     if platform != "cpu" and (d_ckv, d_kpe) not in CUDA_DIMS:
         pytest.skip(f"the CUDA kernel is built for head dims {CUDA_DIMS}, not {(d_ckv, d_kpe)}")
 

@@ -145,3 +145,45 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaPagedAttentionCuda, jax_mla::cuda::paged_att
                                   .Ret<ffi::Buffer<ffi::F32>>()     // partial_lse (workspace)
                                   .Attr<float>("sm_scale"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+
+// ---- What the Python binding (ffi/bindings/cuda_module.cc) asks before it registers the handler.
+// Plain C so that the binding compiles without CUDA headers.
+
+// The CUDA runtime this library was compiled and statically linked with (CUDART_VERSION, e.g. 13000).
+extern "C" int JaxMlaCudaRuntimeVersion() { return CUDART_VERSION; }
+
+// cudaGetDeviceCount / cudaDriverGetVersion; return a cudaError_t.
+extern "C" int JaxMlaCudaDeviceCount(int* count) {
+  const cudaError_t err = cudaGetDeviceCount(count);
+  cudaGetLastError();
+  return (int)err;
+}
+extern "C" int JaxMlaCudaDriverVersion(int* version) { return (int)cudaDriverGetVersion(version); }
+extern "C" const char* JaxMlaCudaErrorString(int err) { return cudaGetErrorString((cudaError_t)err); }
+
+// Can this library run on `device`? Sets its compute capability (e.g. 90) and which attention kernel
+// the launch code picks there (1 portable mma.sync, 2 sm_90a wgmma), and returns the cudaError_t of
+// asking for that kernel's attributes: cudaErrorNoKernelImageForDevice when the library holds no code
+// for the device's arch. Restores the caller's current device.
+extern "C" int JaxMlaCudaDeviceStatus(int device, int* compute_capability, int* kernel) {
+  namespace jc = jax_mla::cuda;
+  int previous = 0;
+  cudaError_t err = cudaGetDevice(&previous);
+  if (err == cudaSuccess) err = cudaSetDevice(device);
+  if (err == cudaSuccess) {
+    *compute_capability = jc::compute_capability(device);
+    cudaFuncAttributes attrs{};
+#ifdef JAX_MLA_SM90A_BUILT
+    const bool sm90 = *compute_capability == 90;
+#else
+    const bool sm90 = false;
+#endif
+    *kernel = sm90 ? 2 : 1;
+    err = sm90 ? cudaFuncGetAttributes(&attrs, jc::mla_attention_sm90_kernel<__nv_bfloat16>)
+               : cudaFuncGetAttributes(&attrs, jc::mla_attention_kernel<__nv_bfloat16>);
+    if (err == cudaSuccess) err = cudaFuncGetAttributes(&attrs, jc::mla_merge_kernel<__nv_bfloat16>);
+    cudaSetDevice(previous);
+  }
+  cudaGetLastError();  // leave no sticky error behind for XLA
+  return (int)err;
+}

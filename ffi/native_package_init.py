@@ -1,1 +1,0 @@
-"""Compiled jax_mla FFI libraries (installed by CMake; see BUILD.md)."""

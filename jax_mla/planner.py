@@ -17,13 +17,15 @@ The table layout is fixed in ``ffi/include/jax_mla/plan_layout.h``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
-__all__ = ["MLAPlan", "PlanTarget", "plan_mla", "default_target", "bucket", "SUPPORTED_PAGE_SIZES"]
+__all__ = ["MLAPlan", "PlanTarget", "plan_mla", "plan_mla_numpy", "default_target", "bucket",
+           "SUPPORTED_PAGE_SIZES"]
 
 # Columns of the work table (plan_layout.h: WorkCol).
 W_REQUEST, W_QSTART, W_QLEN, W_QEND_OFFSET, W_KV_START, W_KV_END, W_PARTIAL_ROW, W_SPLIT = range(8)
@@ -121,7 +123,19 @@ class MLAPlan:
 
     @classmethod
     def tree_unflatten(cls, static, leaves):
-        return cls(*leaves, *static)
+        return cls._make(*leaves, *static)
+
+    @classmethod
+    def _make(cls, work, merge, tokens, num_tokens, num_heads, page_size, num_requests, q_tile,
+              num_partial_rows) -> "MLAPlan":
+        # The frozen dataclass's __init__ sets each field through object.__setattr__ (~3 us for
+        # nine fields); a plan is built before every decode step and unflattened at every jit
+        # dispatch, so fill the instance dict at once instead (same fields, same object).
+        plan = object.__new__(cls)
+        plan.__dict__.update(work=work, merge=merge, tokens=tokens, num_tokens=num_tokens,
+                             num_heads=num_heads, page_size=page_size, num_requests=num_requests,
+                             q_tile=q_tile, num_partial_rows=num_partial_rows)
+        return plan
 
     @property
     def num_work_units(self) -> int:
@@ -142,7 +156,9 @@ class MLAPlan:
                 f"{self.num_merges}, partial_rows={self.num_partial_rows})")
 
 
-def _as_lengths(name: str, x: Any) -> np.ndarray:
+def _as_lengths(name: str, x: Any, check_values: bool = True) -> np.ndarray:
+    """x as a 1-D int64 NumPy array; check_values: also its int32 range and sign (the native planner
+    checks those itself)."""
     if isinstance(x, jax.Array) and not isinstance(x, np.ndarray):
         # Planning must never read device memory: that is the sync we exist to avoid.
         raise TypeError(f"{name} must be host data (list / NumPy), got a jax.Array; "
@@ -150,16 +166,29 @@ def _as_lengths(name: str, x: Any) -> np.ndarray:
     a = np.asarray(x)
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
-    if a.size and a.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
-    if a.size and a.max() > INT32_MAX:  # before the cast, which would wrap uint64
-        i = int(np.argmax(a))
-        raise ValueError(f"{name}[{i}] = {int(a[i])} does not fit int32 (the kernels' lengths)")
-    a = a.astype(np.int64, copy=False)
-    if a.size and a.min() < 0:
-        i = int(np.argmin(a))
-        raise ValueError(f"{name}[{i}] = {int(a[i])} is negative")
+    if a.dtype != np.int64:
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
+        if a.size and a.dtype == np.uint64 and a.max() > INT32_MAX:  # the int64 cast would wrap it
+            i = int(np.argmax(a))
+            raise ValueError(f"{name}[{i}] = {int(a[i])} does not fit int32 (the kernels' lengths)")
+        a = a.astype(np.int64)
+    if check_values and a.size:
+        if a.max() > INT32_MAX:
+            i = int(np.argmax(a))
+            raise ValueError(f"{name}[{i}] = {int(a[i])} does not fit int32 (the kernels' lengths)")
+        if a.min() < 0:
+            i = int(np.argmin(a))
+            raise ValueError(f"{name}[{i}] = {int(a[i])} is negative")
     return a
+
+
+@functools.cache
+def _native_planner():
+    """The native module's planner, or None where the native side is not built."""
+    from . import _ffi
+    native = _ffi._native
+    return None if native is None else native.plan_mla
 
 
 def plan_mla(
@@ -189,11 +218,59 @@ def plan_mla(
         ``max_pages_per_request * page_size`` raise here.
       target: parallelism to balance for (default: `default_target()`).
       min_work_units, min_partial_rows: smallest buckets.
+
+    Runs the C++ planner of the native module (``ffi/planner/``, a few microseconds) when it is
+    built, else `plan_mla_numpy`; both make the same plan (tests/test_planner.py).
     """
+    native = _native_planner()
+    if native is None:
+        return plan_mla_numpy(qo_lens, kv_lens, num_heads=num_heads, page_size=page_size,
+                              num_tokens=num_tokens, max_pages_per_request=max_pages_per_request,
+                              target=target, min_work_units=min_work_units,
+                              min_partial_rows=min_partial_rows)
+    _check_scalars(num_heads, page_size, num_tokens, max_pages_per_request)
+    qo = _as_lengths("qo_lens", qo_lens, check_values=False)
+    kv = _as_lengths("kv_lens", kv_lens, check_values=False)
+    if qo.shape != kv.shape:
+        raise ValueError(f"qo_lens has {qo.size} requests but kv_lens has {kv.size}")
+    if target is None:
+        target = default_target()
+    work, merge, tokens, n_tok, q_tile, n_partial = native(
+        qo, kv, num_heads, page_size, -1 if num_tokens is None else num_tokens,
+        -1 if max_pages_per_request is None else max_pages_per_request, target.num_workers,
+        float(target.units_per_worker), target.min_chunk, target.chunk_align, target.unit_overhead,
+        min_work_units, min_partial_rows)
+    return MLAPlan._make(work, merge, tokens, n_tok, int(num_heads), int(page_size), qo.size, q_tile,
+                         n_partial)
+
+
+def _check_scalars(num_heads, page_size, num_tokens, max_pages_per_request) -> None:
     if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
     if page_size not in SUPPORTED_PAGE_SIZES:
         raise ValueError(f"page_size={page_size!r} is not supported; use one of {SUPPORTED_PAGE_SIZES}")
+    if num_tokens is not None and (not isinstance(num_tokens, (int, np.integer)) or num_tokens > INT32_MAX):
+        raise ValueError(f"num_tokens={num_tokens!r} must be an int that fits int32")
+    if max_pages_per_request is not None and (not isinstance(max_pages_per_request, (int, np.integer))
+                                              or not 0 <= max_pages_per_request <= INT32_MAX):
+        raise ValueError(f"max_pages_per_request={max_pages_per_request!r} must be an int in [0, 2**31)")
+
+
+def plan_mla_numpy(
+    qo_lens: Sequence[int] | np.ndarray,
+    kv_lens: Sequence[int] | np.ndarray,
+    *,
+    num_heads: int,
+    page_size: int,
+    num_tokens: int | None = None,
+    max_pages_per_request: int | None = None,
+    target: PlanTarget | None = None,
+    min_work_units: int = 16,
+    min_partial_rows: int = 16,
+) -> MLAPlan:
+    """`plan_mla` in NumPy: the planner's readable definition, and its path where the native module
+    is not built. Same arguments, same plan."""
+    _check_scalars(num_heads, page_size, num_tokens, max_pages_per_request)
     qo = _as_lengths("qo_lens", qo_lens)
     kv = _as_lengths("kv_lens", kv_lens)
     if qo.shape != kv.shape:
@@ -214,8 +291,6 @@ def plan_mla(
         raise ValueError(f"sum(qo_lens) = {total_q} query tokens does not fit int32")
     if num_tokens is None:
         num_tokens = total_q
-    if not isinstance(num_tokens, (int, np.integer)) or num_tokens > INT32_MAX:
-        raise ValueError(f"num_tokens={num_tokens!r} must be an int that fits int32")
     if num_tokens < total_q:
         raise ValueError(f"num_tokens={num_tokens} is less than sum(qo_lens)={total_q}")
     if target is None:

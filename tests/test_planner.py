@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jax
 from jax_mla import PlanTarget, plan_mla
@@ -150,16 +152,70 @@ def test_padding_tokens_and_zero_requests():
     (dict(qo_lens=[2**30, 2**30], kv_lens=[2**30, 2**30]), r"sum\(qo_lens\) = 2147483648"),
     (dict(qo_lens=[1], kv_lens=[3], num_tokens=2**31), "num_tokens=2147483648"),
 ])
-def test_plan_errors(kwargs, match):
+@pytest.mark.parametrize("planner", ["native", "numpy"])
+def test_plan_errors(kwargs, match, planner):
     kw = dict(num_heads=2, page_size=16, target=PlanTarget(num_workers=2))
     kw.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        plan_mla(**kw)
+        PLANNERS[planner]()(**kw)
 
 
-def test_plan_refuses_device_arrays():
+@pytest.mark.parametrize("planner", ["native", "numpy"])
+def test_plan_refuses_device_arrays(planner):
     with pytest.raises(TypeError, match="host"):
-        plan_mla(jax.numpy.ones(2, jax.numpy.int32), [3, 3], num_heads=2, page_size=16)
+        PLANNERS[planner]()(jax.numpy.ones(2, jax.numpy.int32), [3, 3], num_heads=2, page_size=16)
+
+
+def _native_plan_mla():
+    if P._native_planner() is None:
+        pytest.skip("the native module is not built")
+    return plan_mla
+
+
+PLANNERS = {"native": _native_plan_mla, "numpy": lambda: P.plan_mla_numpy}
+
+
+def _assert_same_plan(a, b):
+    for leaf in ("work", "merge", "tokens"):
+        x, y = np.asarray(getattr(a, leaf)), np.asarray(getattr(b, leaf))
+        assert x.dtype == y.dtype == np.int32 and x.shape == y.shape, leaf
+        np.testing.assert_array_equal(x, y, err_msg=leaf)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_native_planner_makes_the_numpy_plan(data):
+    """The C++ planner (ffi/planner/) and plan_mla_numpy: the same tables, bit for bit, over random
+    ragged batches, heads, page sizes, targets and buckets."""
+    native = _native_plan_mla()
+    n = data.draw(st.integers(0, 40), label="requests")
+    short = data.draw(st.booleans(), label="short contexts")
+    kv = np.array(data.draw(st.lists(st.integers(0, 300 if short else 200_000), min_size=n, max_size=n)),
+                  np.int64)
+    qo = np.array([data.draw(st.integers(0, min(int(k), 20))) for k in kv], np.int64)
+    kw = dict(num_heads=data.draw(st.integers(1, 300), label="heads"),
+              page_size=data.draw(st.sampled_from(P.SUPPORTED_PAGE_SIZES)),
+              target=PlanTarget(num_workers=data.draw(st.integers(1, 264)),
+                                units_per_worker=data.draw(st.sampled_from([0.5, 1.0, 1.5, 4.0])),
+                                min_chunk=data.draw(st.sampled_from([1, 64, 256, 512])),
+                                chunk_align=data.draw(st.sampled_from([1, 16, 64])),
+                                unit_overhead=data.draw(st.sampled_from([0, 128]))),
+              min_work_units=data.draw(st.sampled_from([1, 16])),
+              min_partial_rows=data.draw(st.sampled_from([1, 16])))
+    if data.draw(st.booleans(), label="padding tokens"):
+        kw["num_tokens"] = int(qo.sum()) + data.draw(st.integers(0, 5))
+    a = native(qo, kv, **kw)
+    b = P.plan_mla_numpy(qo, kv, **kw)
+    _assert_same_plan(a, b)
+    assert a.describe() == b.describe()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint8, np.uint64, np.int16])
+def test_planners_take_any_integer_dtype(dtype):
+    qo, kv = np.array([1, 0, 3], dtype), np.array([100, 7, 250], dtype)
+    kw = dict(num_heads=16, page_size=16, target=PlanTarget(num_workers=8))
+    _assert_same_plan(_native_plan_mla()(qo, kv, **kw), P.plan_mla_numpy(qo.tolist(), kv.tolist(), **kw))
 
 
 def test_default_target_matches_platform():

@@ -2,11 +2,16 @@
 // native side was built with. Always built; the CUDA handler lives in its own
 // module (cuda_module.cc) so that it is loaded only where a CUDA device exists.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "bindings_common.h"
+#include "jax_mla/plan_layout.h"
+#include "plan_mla.h"
 #include "xla/ffi/api/c_api.h"
 
 extern "C" XLA_FFI_Error* JaxMlaPagedAttentionCpu(XLA_FFI_CallFrame* call_frame);
@@ -41,6 +46,49 @@ nb::dict build_info() {
   return info;
 }
 
+using Lengths = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using Table = nb::ndarray<nb::numpy, int32_t, nb::ndim<2>>;
+
+// A NumPy array that owns the vector's buffer (no copy).
+Table to_numpy(std::vector<int32_t>&& v, size_t rows, size_t cols) {
+  auto* held = new std::vector<int32_t>(std::move(v));
+  nb::capsule owner(held, [](void* p) noexcept { delete static_cast<std::vector<int32_t>*>(p); });
+  return Table(held->data(), {rows, cols}, owner);
+}
+
+// jax_mla.planner.plan_mla's native path: its Python wrapper has checked dtypes, ranks, shapes and
+// the scalar arguments, and builds the MLAPlan from the returned tuple.
+nb::tuple plan(Lengths qo_lens, Lengths kv_lens, int64_t num_heads, int64_t page_size, int64_t num_tokens,
+               int64_t max_pages_per_request, int64_t num_workers, double units_per_worker, int64_t min_chunk,
+               int64_t chunk_align, int64_t unit_overhead, int64_t min_work_units, int64_t min_partial_rows) {
+  if (qo_lens.shape(0) != kv_lens.shape(0)) throw nb::value_error("qo_lens and kv_lens differ in length");
+  jax_mla::PlanRequest req;
+  req.qo_lens = qo_lens.data();
+  req.kv_lens = kv_lens.data();
+  req.num_requests = (int64_t)qo_lens.shape(0);
+  req.num_heads = num_heads;
+  req.page_size = page_size;
+  req.num_tokens = num_tokens;
+  req.max_pages_per_request = max_pages_per_request;
+  req.num_workers = num_workers;
+  req.units_per_worker = units_per_worker;
+  req.min_chunk = min_chunk;
+  req.chunk_align = chunk_align;
+  req.unit_overhead = unit_overhead;
+  req.min_work_units = min_work_units;
+  req.min_partial_rows = min_partial_rows;
+  jax_mla::Plan p;
+  try {
+    p = jax_mla::plan_mla(req);
+  } catch (const jax_mla::PlanError& e) {
+    throw nb::value_error(e.what());
+  }
+  return nb::make_tuple(to_numpy(std::move(p.work), p.num_work, jax_mla::kWorkCols),
+                        to_numpy(std::move(p.merge), p.num_merge, jax_mla::kMergeCols),
+                        to_numpy(std::move(p.tokens), p.num_tokens, 2), p.num_tokens, p.q_tile,
+                        p.num_partial_rows);
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -51,4 +99,7 @@ NB_MODULE(_native, m) {
     return targets;
   }, "XLA FFI target name -> handler capsule, for platform 'cpu'.");
   m.def("build_info", &build_info, "What the native libraries were built with and for.");
+  m.def("plan_mla", &plan,
+        "The host planner's native path (ffi/planner/plan_mla.h): (work, merge, tokens, num_tokens, "
+        "q_tile, num_partial_rows). Use jax_mla.plan_mla.");
 }

@@ -1,0 +1,229 @@
+// See plan_mla.h. Each step names the NumPy step of jax_mla/planner.py it mirrors;
+// integer arithmetic throughout (int64), so the two agree exactly.
+#include "plan_mla.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "jax_mla/plan_layout.h"
+
+namespace jax_mla {
+namespace {
+
+constexpr int64_t kInt32Max = 2147483647;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }  // a >= 0, b > 0
+
+// planner.bucket: smallest power of two >= max(n, minimum, 1).
+int64_t bucket(int64_t n, int64_t minimum) {
+  n = std::max({n, minimum, int64_t{1}});
+  int64_t b = 1;
+  while (b < n) b <<= 1;
+  return b;
+}
+
+// planner._as_lengths, after the dtype / rank checks Python keeps: int32 range, then sign.
+// NumPy's argmax / argmin name the first extreme.
+void check_lengths(const char* name, const int64_t* a, int64_t n) {
+  if (n == 0) return;
+  const int64_t* mx = std::max_element(a, a + n);
+  if (*mx > kInt32Max) {
+    throw PlanError(std::string(name) + "[" + std::to_string(mx - a) + "] = " + std::to_string(*mx) +
+                    " does not fit int32 (the kernels' lengths)");
+  }
+  const int64_t* mn = std::min_element(a, a + n);
+  if (*mn < 0) {
+    throw PlanError(std::string(name) + "[" + std::to_string(mn - a) + "] = " + std::to_string(*mn) +
+                    " is negative");
+  }
+}
+
+struct Tile {  // a query tile: <= q_tile tokens of one request
+  int64_t req, qstart, qlen, eoff, kv;
+};
+using Tiles = std::vector<Tile>;
+
+struct WorkRow {  // one row of the work table (plan_layout.h: WorkCol)
+  int32_t col[kWorkCols];
+};
+static_assert(sizeof(WorkRow) == kWorkCols * sizeof(int32_t), "rows are packed");
+
+// Indices that sort `keys` ascending, ties in index order (np.argsort(kind="stable")): an LSD radix
+// sort over the key's bytes, skipping bytes that all keys share (for costs below 2^16 the top two).
+// Thousands of units with random costs make a comparison sort's mispredicted branches the planner's
+// largest cost; this is a few linear passes.
+std::vector<uint32_t> stable_order(const std::vector<uint32_t>& keys) {
+  const size_t n = keys.size();
+  std::vector<uint32_t> idx(n), tmp(n);
+  std::iota(idx.begin(), idx.end(), 0u);
+  uint32_t hist[4][256] = {};
+  for (uint32_t k : keys) {
+    for (int b = 0; b < 4; ++b) ++hist[b][(k >> (8 * b)) & 0xff];
+  }
+  for (int b = 0; b < 4; ++b) {
+    const uint32_t digit0 = n ? (keys[0] >> (8 * b)) & 0xff : 0;
+    if (hist[b][digit0] == n) continue;  // one digit for all: the pass would not move anything
+    uint32_t pos[256], sum = 0;
+    for (int d = 0; d < 256; ++d) {
+      pos[d] = sum;
+      sum += hist[b][d];
+    }
+    for (uint32_t i : idx) tmp[pos[(keys[i] >> (8 * b)) & 0xff]++] = i;
+    idx.swap(tmp);
+  }
+  return idx;
+}
+
+}  // namespace
+
+Plan plan_mla(const PlanRequest& in) {
+  const int64_t R = in.num_requests;
+  const int64_t* qo = in.qo_lens;
+  const int64_t* kv = in.kv_lens;
+  check_lengths("qo_lens", qo, R);
+  check_lengths("kv_lens", kv, R);
+  for (int64_t i = 0; i < R; ++i) {
+    if (qo[i] > kv[i]) {
+      throw PlanError("qo_lens[" + std::to_string(i) + "] = " + std::to_string(qo[i]) + " exceeds kv_lens[" +
+                      std::to_string(i) + "] = " + std::to_string(kv[i]) + " (kv lengths include the new tokens)");
+    }
+  }
+  if (in.max_pages_per_request >= 0) {
+    const int64_t cap = in.max_pages_per_request * in.page_size;
+    for (int64_t i = 0; i < R; ++i) {
+      if (kv[i] > cap) {
+        throw PlanError("kv_lens[" + std::to_string(i) + "] = " + std::to_string(kv[i]) +
+                        " exceeds the page table's capacity " + std::to_string(in.max_pages_per_request) +
+                        " pages x " + std::to_string(in.page_size) + " = " + std::to_string(cap) + " tokens");
+      }
+    }
+  }
+  std::vector<int64_t> qo_end(R);
+  int64_t total_q = 0;
+  for (int64_t i = 0; i < R; ++i) qo_end[i] = total_q += qo[i];  // each < 2^31: no overflow
+  if (total_q > kInt32Max) {
+    throw PlanError("sum(qo_lens) = " + std::to_string(total_q) + " query tokens does not fit int32");
+  }
+  const int64_t num_tokens = in.num_tokens < 0 ? total_q : in.num_tokens;
+  if (num_tokens > kInt32Max) {
+    throw PlanError("num_tokens=" + std::to_string(num_tokens) + " must be an int that fits int32");
+  }
+  if (num_tokens < total_q) {
+    throw PlanError("num_tokens=" + std::to_string(num_tokens) + " is less than sum(qo_lens)=" +
+                    std::to_string(total_q));
+  }
+
+  Plan plan;
+  const int64_t H = in.num_heads;
+  const int64_t q_tile = std::max<int64_t>(1, kPlanRowsPerTile / H);
+  const int64_t head_blocks = ceil_div(H, kPlanRowsPerTile);
+  const int64_t max_q = R ? *std::max_element(qo, qo + R) : 0;
+
+  // ---- query tiles: ceil(qo / q_tile) per request, tokens from the end backwards.
+  Tiles t;
+  t.reserve(max_q <= q_tile ? R : R + total_q / q_tile);
+  for (int64_t r = 0; r < R; ++r) {
+    for (int64_t off = 0; off < qo[r]; off += q_tile) {
+      const int64_t qlen = std::min(q_tile, qo[r] - off), eoff = qo[r] - off;
+      // keys the tile's last token sees: causal, aligned to the end
+      t.push_back({r, qo_end[r] - qo[r] + off, qlen, eoff, kv[r] - (eoff - qlen)});
+    }
+  }
+  const int64_t n_t = (int64_t)t.size();
+
+  // ---- split sizes (planner.py: "split sizes").
+  const int64_t slots = static_cast<int64_t>(static_cast<double>(in.num_workers) * in.units_per_worker) / head_blocks;
+  int64_t max_kv = 0, kv_sum = 0;
+  for (const Tile& x : t) {
+    max_kv = std::max(max_kv, x.kv);
+    kv_sum += x.kv;
+  }
+  const int64_t align = in.chunk_align;
+  int64_t chunk = 0;
+  if (slots > n_t && max_kv > in.min_chunk) {
+    int64_t c = ceil_div(kv_sum + n_t * in.unit_overhead, slots);
+    c = ceil_div(std::max(c, in.min_chunk), align) * align;
+    int64_t units = 0;
+    for (int it = 0; it < 16; ++it) {
+      units = 0;
+      for (const Tile& x : t) units += std::max<int64_t>(1, ceil_div(x.kv, c));
+      if (units <= slots || c >= max_kv) break;
+      c = ceil_div(std::max(c + align, ceil_div(c * units, slots)), align) * align;
+    }
+    if (c < max_kv && units <= slots) chunk = c;
+  }
+
+  // ---- buckets (planner.py: bounds from the tile count and the target only).
+  const int64_t max_qlen = n_t ? std::min(max_q, q_tile) : 1;
+  const int64_t n_work = bucket(std::max(n_t, slots), in.min_work_units);
+  const int64_t n_merge = bucket(std::min(n_t, std::max<int64_t>(slots - n_t, 0)), in.min_work_units);
+  const int64_t n_partial = bucket(slots > n_t ? max_qlen * slots : 0, in.min_partial_rows);
+  plan.work.resize(n_work * kWorkCols);
+  plan.merge.assign(n_merge * kMergeCols, 0);
+
+  // ---- units, each with its cost in keys for the longest-first order.
+  std::vector<WorkRow> units;
+  std::vector<uint32_t> order;  // sort keys: INT32_MAX - cost (ascending keys = descending costs)
+  units.reserve(chunk == 0 ? n_t : n_work);
+  order.reserve(units.capacity());
+  auto add_unit = [&](const Tile& x, int64_t kv_start, int64_t kv_end, int64_t partial, int64_t split, int64_t c) {
+    order.push_back((uint32_t)(kInt32Max - c));
+    units.push_back({{(int32_t)x.req, (int32_t)x.qstart, (int32_t)x.qlen, (int32_t)x.eoff, (int32_t)kv_start,
+                      (int32_t)kv_end, (int32_t)partial, (int32_t)split}});
+  };
+  if (chunk == 0) {
+    for (const Tile& x : t) add_unit(x, 0, kKvEndOpen, -1, 0, x.kv);
+  } else {
+    int64_t part_base = 0, n_merges = 0;
+    for (const Tile& x : t) {
+      int64_t n_split = std::max<int64_t>(1, ceil_div(x.kv, chunk));
+      const int64_t tile_chunk = std::max(ceil_div(ceil_div(x.kv, n_split), align) * align, align);
+      n_split = std::max<int64_t>(1, ceil_div(x.kv, tile_chunk));
+      for (int64_t j = 0; j < n_split; ++j) {
+        const int64_t kv_start = j * tile_chunk;
+        const bool last = j == n_split - 1;
+        add_unit(x, kv_start, last ? kKvEndOpen : kv_start + tile_chunk, n_split > 1 ? part_base + j * x.qlen : -1,
+                 j, last ? x.kv - kv_start : tile_chunk);
+      }
+      if (n_split > 1) {
+        if (n_merges >= n_merge) throw std::logic_error("jax_mla planner: merge bucket overflow");
+        int32_t* m = plan.merge.data() + n_merges++ * kMergeCols;
+        m[kMergeQStart] = (int32_t)x.qstart;
+        m[kMergeQLen] = (int32_t)x.qlen;
+        m[kMergePartialRow] = (int32_t)part_base;
+        m[kMergeNumSplits] = (int32_t)n_split;
+        part_base += n_split * x.qlen;
+      }
+    }
+    if (part_base > n_partial) throw std::logic_error("jax_mla planner: partial-row bucket overflow");
+  }
+  const int64_t n_units = (int64_t)units.size();
+  if (n_units > n_work) throw std::logic_error("jax_mla planner: work bucket overflow");
+  const std::vector<uint32_t> sorted = stable_order(order);
+  WorkRow* work = reinterpret_cast<WorkRow*>(plan.work.data());
+  for (int64_t u = 0; u < n_units; ++u) work[u] = units[sorted[u]];
+  std::fill(work + n_units, work + n_work, WorkRow{});
+
+  // ---- tokens: (request, offset from the end of its query block); padding (-1, 0).
+  plan.tokens.resize(num_tokens * 2);
+  int32_t* tok = plan.tokens.data();
+  for (int64_t r = 0, g = 0; r < R; ++r) {
+    for (int64_t i = 0; i < qo[r]; ++i, ++g) {
+      tok[2 * g] = (int32_t)r;
+      tok[2 * g + 1] = (int32_t)(qo_end[r] - g);
+    }
+  }
+  for (int64_t g = total_q; g < num_tokens; ++g) {
+    tok[2 * g] = -1;
+    tok[2 * g + 1] = 0;
+  }
+
+  plan.num_work = n_work;
+  plan.num_merge = n_merge;
+  plan.num_tokens = num_tokens;
+  plan.q_tile = q_tile;
+  plan.num_partial_rows = n_partial;
+  return plan;
+}
+
+}  // namespace jax_mla

@@ -53,3 +53,56 @@ def rel_err(x, ref) -> float:
     x = np.asarray(x, np.float64)
     ref = np.asarray(ref, np.float64)
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemSpec:
+    """One random op problem: what `paged_problems` draws and `build` turns into a batch and a plan."""
+    qo_lens: tuple
+    kv_lens: tuple
+    num_heads: int
+    page_size: int
+    dtype: str
+    padding_tokens: int
+    split: bool
+    seed: int
+
+    def build(self, d_ckv: int, d_kpe: int):
+        """(batch, plan): random inputs of this spec; `split` plans for many small units (every long
+        request is split and merged), else for one worker (nothing is split)."""
+        from .planner import PlanTarget, plan_mla
+        qo, kv = np.array(self.qo_lens, np.int64), np.array(self.kv_lens, np.int64)
+        num_tokens = int(qo.sum()) + self.padding_tokens
+        batch = random_paged_batch(np.random.default_rng(self.seed), qo, kv, num_heads=self.num_heads,
+                                   page_size=self.page_size, d_ckv=d_ckv, d_kpe=d_kpe,
+                                   dtype=jnp.dtype(self.dtype), num_tokens=num_tokens)
+        target = (PlanTarget(num_workers=256, min_chunk=16, chunk_align=16) if self.split else
+                  PlanTarget(num_workers=1, units_per_worker=1.0, min_chunk=1 << 20))
+        plan = plan_mla(qo, kv, num_heads=self.num_heads, page_size=self.page_size, num_tokens=num_tokens,
+                        target=target)
+        return batch, plan
+
+
+def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 130):
+    """A hypothesis strategy of `ProblemSpec`s over random ragged batches: zero-length requests and
+    padding tokens, page sizes 1-256, 1-`max_heads` heads (odd counts included), q_len 0-8, fp16 / bf16
+    / f32, split or not. Shared by the property tests (tests/test_properties.py), which also run on
+    the GPU through scripts/gpu_check.sh. Needs hypothesis (a test dependency)."""
+    from hypothesis import strategies as st
+
+    from .planner import SUPPORTED_PAGE_SIZES
+
+    @st.composite
+    def problem(draw):
+        n = draw(st.integers(1, max_requests))
+        qo = draw(st.lists(st.integers(0, 8), min_size=n, max_size=n))
+        # kv includes the new tokens; a zero-length request has none of either
+        kv = [q + draw(st.integers(0, max_kv)) if q or draw(st.booleans()) else 0 for q in qo]
+        return ProblemSpec(qo_lens=tuple(qo), kv_lens=tuple(kv),
+                           num_heads=draw(st.integers(1, max_heads)),
+                           page_size=draw(st.sampled_from(SUPPORTED_PAGE_SIZES)),
+                           dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
+                           padding_tokens=draw(st.integers(0, 3)), split=draw(st.booleans()),
+                           seed=draw(st.integers(0, 2**32 - 1)))
+
+    return problem()

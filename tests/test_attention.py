@@ -397,3 +397,41 @@ def test_cpu_handler_rejects_bad_operands():
                               (dict(q_nope=i32(t, h, 64)), "float32, bfloat16 or float16")):
         with pytest.raises(Exception, match=message):
             call(**override)
+
+
+# ---- NaN in, NaN out -------------------------------------------------------------
+
+@pytest.mark.parametrize("dims", [SMALL, DEEPSEEK], ids=["small", "deepseek"])
+@pytest.mark.parametrize("where", ["q_nope", "q_pe", "q_inf", "ckv", "kpe"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_nan_in_gives_nan_in_the_rows_it_reaches(rng, dims, where, split):
+    """A NaN (or inf) in a query, or in a cache row some tokens see, makes exactly the rows the
+    reference makes NaN (output and LSE) NaN, and leaves every other row as it was: the kernels never
+    hide it as a zero row with LSE -inf. Wide units (64 heads x 2 tokens) and narrow ones (2 heads)."""
+    require_kernel(*dims)
+    heads = 64 if dims == DEEPSEEK else 2
+    qo, kv = np.array([2, 1, 3]), np.array([300, 40, 500])
+    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=16, d_ckv=dims[0], d_kpe=dims[1],
+                               dtype=BF16)
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=16, target=SPLIT if split else NO_SPLIT)
+    assert_splits(plan, split)
+    b = batch.__dict__.copy()
+    table = batch.page_table_host
+    if where in ("q_nope", "q_pe", "q_inf"):
+        key = "q_pe" if where == "q_pe" else "q_nope"
+        b[key] = b[key].at[3, 1, 7].set(jnp.inf if where == "q_inf" else jnp.nan)  # request 2's first token
+    else:
+        pos = 250  # request 2's key 250: all its tokens see it; nobody else's page holds it
+        b[where] = b[where].at[table[2, pos // 16], pos % 16, 3].set(jnp.nan)
+    bad = type(batch)(**b)
+    args = (bad.q_nope, bad.q_pe, bad.ckv, bad.kpe, bad.page_table, bad.kv_lens, plan)
+    out, lse = run_ffi(*args)
+    ref_out, ref_lse = run_reference(*args)
+    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    ref_out, ref_lse = np.asarray(ref_out), np.asarray(ref_lse)
+    nan_rows = np.isnan(ref_lse)
+    assert nan_rows.any() and not nan_rows.all(), "the test's premise: some rows, not all, are NaN"
+    np.testing.assert_array_equal(np.isnan(lse), nan_rows)
+    np.testing.assert_array_equal(np.isnan(out).all(-1), nan_rows)
+    assert not np.isnan(out[~nan_rows]).any()
+    assert rel_err(out[~nan_rows], ref_out[~nan_rows]) < OUT_TOL[BF16]

@@ -572,13 +572,27 @@ JAX_MLA_INLINE void SoftmaxRow(const Problem& pb, Scratch& sc, int64_t r, int64_
   for (int i = 0; i < W; ++i) lane[i] = i;
   const Vec<W> neg_inf = Splat<W>(kNegInf);
   Vec<W> vmax = neg_inf;
+  Mask<W> nan = {};  // lanes where a score the row sees is NaN
   for (int64_t j = 0; j < slots; j += W) {
     Mask<W> ok;
     std::memcpy(&ok, sc.key_ok.data() + j, sizeof(ok));
     ok &= (lane + static_cast<int32_t>(j)) < (Mask<W>{} + static_cast<int32_t>(n));
     const Vec<W> x = Select<W>(ok, Load<W>(s + j) * pb.sm_scale, neg_inf);
     Store<W>(s + j, x);
-    vmax = Select<W>(x > vmax, x, vmax);
+    vmax = Select<W>(x > vmax, x, vmax);  // NaN never compares greater: caught below
+    nan |= x != x;
+  }
+  float& row_max = sc.row_max[r];
+  bool any_nan = false;
+  for (int i = 0; i < W; ++i) any_nan |= nan[i] != 0;
+  if (any_nan) {
+    // A NaN score (NaN or inf in the query, or in a key the row sees) makes the row NaN, as the
+    // reference's softmax does: NaN running max, sum and accumulator from here on.
+    row_max = std::numeric_limits<float>::quiet_NaN();
+    sc.row_sum[r] = row_max;
+    sc.alpha[r] = row_max;
+    std::fill(s, s + slots, 0.0f);
+    return;
   }
   const float block_max = MaxLanes<W>(vmax);
   if (!(block_max > kNegInf)) {  // no key of the block counts for this row
@@ -586,7 +600,6 @@ JAX_MLA_INLINE void SoftmaxRow(const Problem& pb, Scratch& sc, int64_t r, int64_
     std::fill(s, s + slots, 0.0f);
     return;
   }
-  float& row_max = sc.row_max[r];
   float alpha = 1.0f;
   if (block_max > row_max) {
     alpha = std::exp(row_max - block_max);  // 0 on the row's first keys
@@ -679,7 +692,7 @@ JAX_MLA_INLINE void RunUnitW(const Problem& pb, const Unit& u, Scratch& sc) {
   // Normalise and write: the final output, or a float32 partial for the merge.
   for (int64_t r = 0; r < rows; ++r) {
     const float sum = sc.row_sum[r];
-    const bool any = sum > 0.0f;
+    const bool any = !(sum == 0.0f);            // keys seen, or NaN (which stays NaN)
     const float inv = any ? 1.0f / sum : 0.0f;  // no key: zeros, never 0/0
     const float lse = any ? sc.row_max[r] + std::log(sum) : kNegInf;
     const float* acc = sc.acc.data() + r * dcp;
@@ -727,11 +740,20 @@ void RunMerge(const Problem& pb, int64_t m, std::vector<float>& acc) {
     for (int64_t h = 0; h < h_n; ++h) {
       // Split j of local token i lives at partial row base + j * q_len + i.
       float mx = kNegInf;
+      bool nan = false;
       for (int64_t j = 0; j < splits; ++j) {
-        mx = std::max(mx, pb.partial_lse[(base + j * q_len + i) * h_n + h]);
+        const float l = pb.partial_lse[(base + j * q_len + i) * h_n + h];
+        mx = std::max(mx, l);
+        nan |= l != l;
       }
       const int64_t o = (q_start + i) * h_n + h;
       char* out = pb.out + o * dc * pb.elem_bytes;
+      if (nan) {  // a split's row is NaN: so is the merged row
+        std::fill(acc.begin(), acc.end(), std::numeric_limits<float>::quiet_NaN());
+        FromFloat(pb.elem, acc.data(), 1.0f, dc, out);
+        pb.lse[o] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
       if (mx == kNegInf) {  // no split saw a key: zeros, never 0/0
         FromFloat(pb.elem, acc.data(), 1.0f, dc, out);

@@ -68,8 +68,8 @@ __global__ void __launch_bounds__(kThreads) mla_attention_f32_kernel(const Probl
       for (int k = 0; k < 16; ++k) o[k] = fmaf(w, v[k], o[k] * alpha);
       m = m_new;
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+    const float inv = l != 0.f ? 1.f / l : 0.f;  // l = 0: no key, zeros; NaN l (a NaN score) stays NaN
+    const float lse = l != 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
     float* dst;
     if (u.partial_row < 0) {
       dst = static_cast<float*>(p.out) + tok_head * kDimCkv;

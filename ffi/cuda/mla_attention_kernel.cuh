@@ -373,8 +373,8 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
       float l = 0.f;
 #pragma unroll
       for (int k = 0; k < KG; ++k) l += red_sum[k * MP + r];
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      const float lse = l > 0.f ? (m_final[r] + __log2f(l)) * kLn2 : -INFINITY;
+      const float inv = l != 0.f ? 1.f / l : 0.f;  // l = 0: no key, zeros; NaN l (a NaN score) stays NaN
+      const float lse = l != 0.f ? (m_final[r] + __log2f(l)) * kLn2 : -INFINITY;
       const int i = r / hb, h = h0 + r % hb;
       const int col0 = warp * 64 + 2 * t4;
       if (direct) {

@@ -44,6 +44,7 @@ __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, i
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int col_base = part * COLS;
   float m = -INFINITY, s = 0.f;
+  bool nan = false;  // a split's row is NaN (a NaN score): the merged row is NaN
   float4 acc[V];
 #pragma unroll
   for (int v = 0; v < V; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -67,6 +68,10 @@ __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, i
 #pragma unroll
     for (int k = 0; k < U; ++k) {
       if (lj[k] == -INFINITY) continue;  // an empty split adds nothing
+      if (lj[k] != lj[k]) {
+        nan = true;
+        continue;
+      }
       if (lj[k] > m) {
         const float r = m == -INFINITY ? 0.f : __expf(m - lj[k]);
 #pragma unroll
@@ -86,15 +91,19 @@ __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, i
     }
   }
   if (lane == 0) {
-    sh.m[warp] = m;
+    sh.m[warp] = nan ? NAN : m;
     sh.s[warp] = s;
   }
 #pragma unroll
   for (int v = 0; v < V; ++v) *reinterpret_cast<float4*>(&sh.acc[warp][128 * v + lane * 4]) = acc[v];
   __syncthreads();
   float mx = -INFINITY;
+  bool any_nan = false;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, sh.m[w]);
+  for (int w = 0; w < kWarps; ++w) {
+    mx = fmaxf(mx, sh.m[w]);  // fmaxf skips NaN: counted apart
+    any_nan |= sh.m[w] != sh.m[w];
+  }
   float tot = 0.f, a = 0.f;
   const int c = tid < COLS ? tid : 0;  // threads past the part's columns only help with the barrier
   if (mx != -INFINITY) {
@@ -108,8 +117,9 @@ __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, i
     }
   }
   const size_t row = (size_t)token * p.num_heads + head;
-  if (tid < COLS) static_cast<T*>(p.out)[row * kDimCkv + col_base + tid] = from_float<T>(tot > 0.f ? a / tot : 0.f);
-  if (tid == 0 && part == 0) p.lse[row] = tot > 0.f ? mx + __logf(tot) : -INFINITY;
+  const float o = any_nan ? NAN : tot > 0.f ? a / tot : 0.f;
+  if (tid < COLS) static_cast<T*>(p.out)[row * kDimCkv + col_base + tid] = from_float<T>(o);
+  if (tid == 0 && part == 0) p.lse[row] = any_nan ? NAN : tot > 0.f ? mx + __logf(tot) : -INFINITY;
   __syncthreads();  // scratch reused by the next task
 }
 

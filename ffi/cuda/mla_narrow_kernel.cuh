@@ -348,8 +348,8 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
     const int r = g + 8 * e;
     if (r >= rows) continue;
     const float l = lsum_s[r];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? (mfin_s[r] + __log2f(l)) * kLn2 : -INFINITY;
+    const float inv = l != 0.f ? 1.f / l : 0.f;  // l = 0: no key, zeros; NaN l (a NaN score) stays NaN
+    const float lse = l != 0.f ? (mfin_s[r] + __log2f(l)) * kLn2 : -INFINITY;
     const int i = r / hb, h = h0 + r % hb;
     const int col0 = warp * 64 + 2 * t4;
     if (direct) {

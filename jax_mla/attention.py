@@ -82,6 +82,9 @@ def mla_paged_attention(
     plan). Query i of a request's n tokens sees keys [0, L - n + i + 1), L its
     kv length (causal, aligned to the end; decode is n = 1). A token that sees
     no key (L = 0, or a padding token) gets output 0 and LSE -inf, never NaN.
+    NaN in, NaN out: a NaN (or inf) in a query row, or NaN in a cache row that a
+    token sees, makes exactly those (token, head) rows NaN in out and LSE, on
+    every backend; cache slots a token does not see never reach its output.
     q, ckv and kpe share one dtype: bfloat16, float16 or float32.
 
     Returns out [T, H, d_ckv] in the query dtype, and with return_lse=True also

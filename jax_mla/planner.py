@@ -24,24 +24,17 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+# The table layout, the tile rule and the page sizes are the plan contract (plan_layout.py);
+# re-exported here (planner.W_QLEN etc.) for the planner's readers.
+from .plan_layout import (  # noqa: F401
+    KV_END_OPEN, M_NUM_SPLITS, M_PARTIAL_ROW, M_QLEN, M_QSTART, MERGE_COLS, ROWS_PER_TILE,
+    SUPPORTED_PAGE_SIZES, W_KV_END, W_KV_START, W_PARTIAL_ROW, W_QEND_OFFSET, W_QLEN, W_QSTART,
+    W_REQUEST, W_SPLIT, WORK_COLS)
+
 __all__ = ["MLAPlan", "PlanTarget", "plan_mla", "plan_mla_numpy", "default_target", "bucket",
            "SUPPORTED_PAGE_SIZES"]
 
-# Columns of the work table (plan_layout.h: WorkCol).
-W_REQUEST, W_QSTART, W_QLEN, W_QEND_OFFSET, W_KV_START, W_KV_END, W_PARTIAL_ROW, W_SPLIT = range(8)
-WORK_COLS = 8
-# Columns of the merge table (plan_layout.h: MergeCol).
-M_QSTART, M_QLEN, M_PARTIAL_ROW, M_NUM_SPLITS = range(4)
-MERGE_COLS = 4
-KV_END_OPEN = 0x7FFFFFFF
 INT32_MAX = 2**31 - 1
-
-SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-# Query rows (tokens x heads) one worker processes at once. A tile holds
-# max(1, ROWS_PER_TILE // num_heads) query tokens of one request; with more heads
-# than rows the CUDA kernel spreads one token's heads over several blocks.
-ROWS_PER_TILE = 64
 
 
 @dataclasses.dataclass(frozen=True)

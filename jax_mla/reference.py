@@ -10,22 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .plan_layout import visible_keys
 from .planner import MLAPlan
-
-
-def visible_keys(plan_tokens: jax.Array, kv_lens: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
-    """Per query token: its request (clamped to >= 0) and how many keys it sees.
-
-    A token with offset e from the end of its request's query block sees keys
-    [0, min(kv_len, capacity) - e + 1); padding tokens (request -1) see none.
-    """
-    req = plan_tokens[:, 0]
-    e = plan_tokens[:, 1]
-    valid = req >= 0
-    req_c = jnp.where(valid, req, 0)
-    kv = jnp.clip(kv_lens[req_c], 0, capacity)
-    n_vis = jnp.where(valid, jnp.maximum(kv - e + 1, 0), 0)
-    return req_c, n_vis
 
 
 # The reference walks the keys in chunks of whole pages (about KEY_CHUNK keys) with an

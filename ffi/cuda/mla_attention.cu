@@ -61,7 +61,9 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
       out->element_type() != dt) {
     return bad("q_nope, q_pe, ckv, kpe and out must share one dtype");
   }
-  if (ps < 1 || ps > 256 || (ps & (ps - 1)) != 0) return bad("page_size " + std::to_string(ps) + " is not a power of two <= 256");
+  if (ps < 1 || ps > kMaxPageSize || (ps & (ps - 1)) != 0) {
+    return bad("page_size " + std::to_string(ps) + " is not a power of two <= " + std::to_string(kMaxPageSize));
+  }
   if (H < 1) return bad("need at least one head");
   const int64_t R = pd[0], max_pages = pd[1];
   if (T == 0) return ffi::Error::Success();

@@ -17,7 +17,6 @@ namespace cuda {
 constexpr int kDimCkv = 512;                // d_ckv the kernels are built for
 constexpr int kDimKpe = 64;                 // d_kpe
 constexpr int kDimKey = kDimCkv + kDimKpe;  // a key is [ckv | kpe]
-constexpr int kRowsPerTile = 64;            // planner.ROWS_PER_TILE
 constexpr int kThreads = 256;               // every kernel: 8 warps
 constexpr int kWarps = kThreads / 32;
 // Shared-memory rows of keys and queries: 576 elements + 16 bytes of padding,

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "jax_mla/plan_layout.h"
+
 namespace jax_mla {
 
 struct PlanRequest {
@@ -42,9 +44,6 @@ struct Plan {
 struct PlanError : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
-
-// Query rows (tokens x heads) one worker processes at once (planner.py: ROWS_PER_TILE).
-constexpr int64_t kPlanRowsPerTile = 64;
 
 Plan plan_mla(const PlanRequest& req);
 

@@ -11,7 +11,7 @@ from flax import nnx
 from ..attention import mla_paged_attention
 from ..cache import append_paged_kv
 from ..planner import MLAPlan
-from ..reference import visible_keys
+from ..plan_layout import visible_keys
 from .config import DeepseekConfig
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 

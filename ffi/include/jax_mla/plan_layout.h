@@ -1,5 +1,7 @@
-// Layout of the host plan as the kernels read it. The Python planner
-// (jax_mla/planner.py) writes exactly these columns; keep the two in step.
+// The plan contract: the layout of the host plan as the kernels read it, and the
+// rules both sides share. Its Python twin is jax_mla/plan_layout.py (the same
+// names; tests/test_plan_layout.py checks that the values agree). The planners
+// (ffi/planner/, jax_mla/planner.py) write exactly these columns.
 //
 // The plan is two int32 tables with fixed (bucketed) row counts:
 //
@@ -57,5 +59,14 @@ enum MergeCol : int {
 };
 
 constexpr int32_t kKvEndOpen = 0x7fffffff;
+
+// Query rows (tokens x heads) one work unit holds: a unit takes
+// q_tile = max(1, kRowsPerTile / num_heads) tokens of one request, and with more
+// heads than rows the CUDA kernel spreads one token's heads over
+// ceil(num_heads / kRowsPerTile) blocks.
+constexpr int kRowsPerTile = 64;
+
+// Page sizes: powers of two from 1 to kMaxPageSize.
+constexpr int kMaxPageSize = 256;
 
 }  // namespace jax_mla

@@ -3,6 +3,7 @@
 from ._ffi import build_info
 from .attention import mla_paged_attention, resolve_backend
 from .cache import append_paged_kv
+from .paging import PagedBatch, PagedCacheManager, PagedKV
 from .planner import MLAPlan, PlanTarget, default_target, plan_mla
 from .reference import mla_paged_attention_reference
 
@@ -13,6 +14,9 @@ __all__ = [
     "mla_paged_attention_reference",
     "append_paged_kv",
     "plan_mla",
+    "PagedCacheManager",
+    "PagedKV",
+    "PagedBatch",
     "MLAPlan",
     "PlanTarget",
     "default_target",

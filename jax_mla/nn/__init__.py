@@ -4,13 +4,15 @@ Needs flax (the `nn` extra). Pieces:
   DeepseekConfig      HF config fields (`from_hf_config`), YaRN softmax scale
   MLAAttention        the NNX module (absorbed and expanded forms)
   DeepseekModel       a small dense DeepSeek-style LM built on it (the demo model)
-  PagedCacheManager   host-side pages, slots, lengths, incremental page-table updates, plans
+  PagedCacheManager   (from jax_mla.paging, which needs no flax) host-side pages, slots, lengths,
+                      incremental page-table updates, plans
   Generator           prefill + host-planned or fully jitted decode loops
   hf                  config.json + safetensors loading
 """
 
-from .attention import FORMS, MLAAttention, PagedBatch, PagedKV, RMSNorm, token_positions
-from .cache_manager import OutOfPagesError, OutOfSlotsError, PagedCacheManager, bucket
+from ..paging import (OutOfPagesError, OutOfSlotsError, PagedBatch, PagedCacheManager, PagedKV, bucket,
+                      token_positions)
+from .attention import FORMS, MLAAttention, RMSNorm
 from .config import DeepseekConfig, RopeScaling, yarn_get_mscale
 from .decode import Generator, choose_prefill_form
 from .model import DecoderLayer, DeepseekModel, SwiGLU

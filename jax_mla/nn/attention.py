@@ -2,52 +2,19 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ..attention import mla_paged_attention
 from ..cache import append_paged_kv
-from ..planner import MLAPlan
-from ..plan_layout import visible_keys
+from ..paging import PagedBatch, PagedKV, token_positions
 from .config import DeepseekConfig
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = ["PagedKV", "PagedBatch", "RMSNorm", "MLAAttention", "token_positions", "FORMS"]
 
 FORMS = ("absorbed", "expanded")
-
-
-class PagedKV(NamedTuple):
-    """One layer's latent cache: ckv [P, page_size, kv_lora_rank], kpe [P, page_size, rope_dim]."""
-
-    ckv: jax.Array
-    kpe: jax.Array
-
-
-class PagedBatch(NamedTuple):
-    """Where this step's tokens sit: shared by every layer.
-
-    page_table [R, max_pages] int32 and kv_lens [R] int32 live on the device
-    (kv_lens include this step's tokens); plan comes from `plan_mla` on host lengths.
-    """
-
-    page_table: jax.Array
-    kv_lens: jax.Array
-    plan: MLAPlan
-
-
-def token_positions(batch: PagedBatch) -> jax.Array:
-    """Position of each query token in its sequence, read from the device kv lengths.
-
-    The token with offset e from the end of its request's block sits at
-    kv_len - e; padding tokens get 0 (their results are dropped).
-    """
-    capacity = batch.page_table.shape[1] * batch.plan.page_size
-    _, n_vis = visible_keys(jnp.asarray(batch.plan.tokens), batch.kv_lens, capacity)
-    return jnp.maximum(n_vis - 1, 0)
 
 
 class RMSNorm(nnx.Module):

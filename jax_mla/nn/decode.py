@@ -25,8 +25,8 @@ import numpy as np
 from flax import nnx
 
 from ..attention import resolve_backend
-from .attention import FORMS, PagedBatch
-from .cache_manager import PagedCacheManager, bucket
+from ..paging import PagedBatch, PagedCacheManager, bucket
+from .attention import FORMS
 from .model import DeepseekModel
 
 __all__ = ["Generator", "choose_prefill_form"]

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import MLAAttention, PagedBatch, PagedKV, RMSNorm
+from ..paging import PagedBatch, PagedKV
+from .attention import MLAAttention, RMSNorm
 from .config import DeepseekConfig
 
 __all__ = ["SwiGLU", "DecoderLayer", "DeepseekModel"]

@@ -1,4 +1,5 @@
-"""Host-side bookkeeping of the paged latent cache: pages, request slots, lengths, plans.
+"""Host paging: the paged latent cache's bookkeeping (pages, request slots, lengths, plans) and the
+device-side views a model layer takes (`PagedKV`, `PagedBatch`). Needs no flax.
 
 Everything here is NumPy on the host: the decode loop never reads the device to
 learn a length. The device page table is created once and afterwards changed
@@ -13,15 +14,47 @@ is the slot.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..planner import MLAPlan, PlanTarget, SUPPORTED_PAGE_SIZES, bucket, default_target, plan_mla
+from .plan_layout import visible_keys
+from .planner import MLAPlan, PlanTarget, SUPPORTED_PAGE_SIZES, bucket, default_target, plan_mla
 
-__all__ = ["OutOfPagesError", "OutOfSlotsError", "PagedCacheManager", "bucket"]
+__all__ = ["OutOfPagesError", "OutOfSlotsError", "PagedCacheManager", "PagedKV", "PagedBatch", "token_positions",
+           "bucket"]
+
+class PagedKV(NamedTuple):
+    """One layer's latent cache: ckv [P, page_size, kv_lora_rank], kpe [P, page_size, rope_dim]."""
+
+    ckv: jax.Array
+    kpe: jax.Array
+
+
+class PagedBatch(NamedTuple):
+    """Where this step's tokens sit: shared by every layer.
+
+    page_table [R, max_pages] int32 and kv_lens [R] int32 live on the device
+    (kv_lens include this step's tokens); plan comes from `plan_mla` on host lengths.
+    """
+
+    page_table: jax.Array
+    kv_lens: jax.Array
+    plan: MLAPlan
+
+
+def token_positions(batch: PagedBatch) -> jax.Array:
+    """Position of each query token in its sequence, read from the device kv lengths.
+
+    The token with offset e from the end of its request's block sits at
+    kv_len - e; padding tokens get 0 (their results are dropped).
+    """
+    capacity = batch.page_table.shape[1] * batch.plan.page_size
+    _, n_vis = visible_keys(jnp.asarray(batch.plan.tokens), batch.kv_lens, capacity)
+    return jnp.maximum(n_vis - 1, 0)
+
 
 NO_PAGE = -1  # unallocated page-table entry: cache writes there are dropped, reads masked
 
@@ -244,7 +277,6 @@ class PagedCacheManager:
 
     def init_caches(self, num_layers: int, kv_lora_rank: int, rope_dim: int, dtype=jnp.float32, device=None):
         """Zeroed per-layer (ckv, kpe) page buffers, shapes [num_pages, page_size, d]."""
-        from .attention import PagedKV
 
         shape = (self.num_pages, self.page_size)
 

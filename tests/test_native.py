@@ -122,3 +122,41 @@ def test_cuda_module_without_a_device_gives_a_message_not_a_crash():
     assert r.returncode == 0, r.stderr
     assert "RuntimeError: jax_mla CUDA: no usable device" in r.stdout
     assert "needs a driver for CUDA >=" in r.stdout
+
+
+def test_a_device_without_code_for_its_arch_gets_the_reference_and_a_message():
+    """A library built for other archs: the CUDA handler is not registered, build_info-style reason,
+    backend='auto' warns and runs the reference, backend='ffi' raises naming the device. (Simulated:
+    the CUDA module's device_status reports what cudaFuncGetAttributes says on such a device.)"""
+    r = _run("""
+        import sys, types, warnings
+        import jax
+        fake = types.ModuleType("jax_mla._native_cuda")
+        fake.device_status = lambda: {"driver": "13.0", "runtime": "13.0", "devices": [
+            {"device": 0, "compute_capability": (8, 6), "kernel": "mma.sync portable",
+             "error": "no kernel image is available for execution on the device"}]}
+        fake.registrations = lambda: (_ for _ in ()).throw(AssertionError("must not register"))
+        sys.modules["jax_mla._native_cuda"] = fake
+        import jax_mla
+        from jax_mla import _ffi, attention
+        real = _ffi._native.build_info()
+        _ffi._native = types.SimpleNamespace(build_info=lambda: {**real, "cuda": {
+            "built": True, "archs": ["90a"], "toolkit": "13.0", "bodies": []}}, registrations=lambda: {})
+        jax.default_backend = lambda: "gpu"
+        print("has_ffi", _ffi.has_ffi("gpu"))
+        print("reason", _ffi.unavailable_reason("gpu"))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            print("auto", attention.resolve_backend("auto", 512, 64))
+            print("warned", any("runs the jax.numpy reference" in str(x.message) for x in w))
+        try:
+            attention.resolve_backend("ffi", 512, 64)
+        except ValueError as e:
+            print("ffi raised", e)
+    """)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "has_ffi False" in out
+    assert "device 0 (compute capability 8.6): no kernel image" in out and "90a" in out
+    assert "auto reference" in out and "warned True" in out
+    assert "ffi raised backend='ffi' has no kernel for platform 'gpu'" in out

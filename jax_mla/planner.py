@@ -130,23 +130,15 @@ class MLAPlan:
                              q_tile=q_tile, num_partial_rows=num_partial_rows)
         return plan
 
-    @property
-    def num_work_units(self) -> int:
-        return int(np.shape(self.work)[0])
-
-    @property
-    def num_merges(self) -> int:
-        return int(np.shape(self.merge)[0])
-
     def describe(self) -> str:
         """Human summary (host plans only)."""
         w = np.asarray(self.work)
         live = w[w[:, W_QLEN] > 0]
         split = int((live[:, W_PARTIAL_ROW] >= 0).sum())
         return (f"MLAPlan(tokens={self.num_tokens}, heads={self.num_heads}, page_size={self.page_size}, "
-                f"requests={self.num_requests}, q_tile={self.q_tile}, units={len(live)}/{self.num_work_units}, "
+                f"requests={self.num_requests}, q_tile={self.q_tile}, units={len(live)}/{len(w)}, "
                 f"split_units={split}, merges={int((np.asarray(self.merge)[:, M_QLEN] > 0).sum())}/"
-                f"{self.num_merges}, partial_rows={self.num_partial_rows})")
+                f"{np.shape(self.merge)[0]}, partial_rows={self.num_partial_rows})")
 
 
 def _as_lengths(name: str, x: Any, check_values: bool = True) -> np.ndarray:

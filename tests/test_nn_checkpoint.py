@@ -101,3 +101,9 @@ def test_moe_layers_are_refused_by_the_dense_model():
     with pytest.raises(ValueError, match=r"layers \[1\] of this config are MoE"):
         DeepseekModel(cfg, rngs=nnx.Rngs(0))
     DeepseekModel(cfg, rngs=nnx.Rngs(0), with_mlp=False)  # an attention-only stack is fine
+
+
+def test_unreadable_dtype_is_named(tmp_path):
+    write_safetensors(tmp_path / "model.safetensors", {"w": np.zeros((2,), ml_dtypes.float8_e4m3fn)})
+    with pytest.raises(ValueError, match="tensor 'w' has dtype F8_E4M3"):
+        hf.read_safetensors(tmp_path / "model.safetensors")

@@ -8,19 +8,17 @@ Layout differences handled here:
   pairs when config.rope_interleave (every DeepSeek checkpoint), half-split
   pairs otherwise, exactly as transformers does.
 
-The safetensors format is read directly (8-byte header length, JSON header,
-raw little-endian data) with memory maps, so bf16 weights load without torch.
+Checkpoints are read with the safetensors library into NumPy (bf16 as
+ml_dtypes.bfloat16), so they load without torch.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 from typing import Mapping
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -30,28 +28,28 @@ from .model import DeepseekModel
 
 __all__ = ["read_safetensors", "load_checkpoint_tensors", "load_attention", "load_model", "load_hf_model"]
 
-_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-}
+# safetensors dtypes NumPy (with ml_dtypes for bf16) holds; others are refused by name.
+_READABLE = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+
+
+def _tensor_names(path: str) -> list[str]:
+    from safetensors import safe_open
+    with safe_open(path, framework="numpy") as f:
+        return list(f.keys())
 
 
 def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file, as read-only NumPy views of a memory map."""
+    """All tensors of one .safetensors file as NumPy arrays, read with the safetensors library."""
+    from safetensors import safe_open
     path = os.fspath(path)
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
     out = {}
-    for name, info in header.items():
-        dt = info["dtype"]
-        if dt not in _DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {dt}, which this reader does not know")
-        begin, end = info["data_offsets"]
-        out[name] = data[begin:end].view(_DTYPES[dt]).reshape(info["shape"])
+    with safe_open(path, framework="numpy") as f:
+        for name in f.keys():
+            dt = f.get_slice(name).get_dtype()
+            if dt not in _READABLE:
+                raise ValueError(f"{path}: tensor {name!r} has dtype {dt}, which this loader does not read "
+                                 f"(it reads {', '.join(_READABLE)})")
+            out[name] = f.get_tensor(name)
     return out
 
 
@@ -66,13 +64,15 @@ def load_checkpoint_tensors(folder: str | os.PathLike) -> dict[str, np.ndarray]:
         files = sorted(x for x in os.listdir(folder) if x.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {folder}")
-    tensors: dict[str, np.ndarray] = {}
-    for name in files:
-        tensors.update(read_safetensors(os.path.join(folder, name)))
-    quantised = [k for k in tensors if k.endswith("weight_scale_inv")]
+    paths = [os.path.join(folder, name) for name in files]
+    # Refuse a block-quantised FP8 checkpoint by its tensor names, before reading any weight.
+    quantised = [k for p in paths for k in _tensor_names(p) if k.endswith("weight_scale_inv")]
     if quantised:
         raise ValueError(f"{folder} holds block-quantised FP8 weights ({quantised[0]}, ...); dequantise the "
                          "checkpoint to bf16/fp32 first")
+    tensors: dict[str, np.ndarray] = {}
+    for p in paths:
+        tensors.update(read_safetensors(p))
     return tensors
 
 

@@ -74,6 +74,8 @@ _check_at_import()
 
 # Why the CUDA handler is not registered, when it is not (None when it is, or was not asked for).
 _cuda_error: str | None = None
+# What the CUDA module's device_status() said when the handler was registered (or refused).
+_cuda_status: dict | None = None
 
 
 def _register(registrations: dict, platform: str) -> None:
@@ -92,14 +94,14 @@ def _registered_cpu() -> bool:
 @functools.lru_cache(maxsize=None)
 def _registered_cuda() -> bool:
     """Import the CUDA module and register its handler; called only for a CUDA device."""
-    global _cuda_error
+    global _cuda_error, _cuda_status
     info = native_build_info()
     if info is None or not info["cuda"]["built"]:
         _cuda_error = "jax_mla was built without CUDA (no nvcc at build time; BUILD.md)"
         return False
     try:
         from . import _native_cuda
-        status = _native_cuda.device_status()
+        status = _cuda_status = _native_cuda.device_status()
     except (ImportError, RuntimeError) as e:
         _cuda_error = f"the CUDA module does not load: {e}"
         return False
@@ -162,11 +164,7 @@ def build_info() -> dict:
     cuda_devices = [d for d in jax.devices() if d.platform == "gpu"] if _has_gpu_backend() else []
     if cuda_devices and built is not None and built["cuda"]["built"]:
         info["cuda_registered"] = has_ffi("gpu")
-        from . import _native_cuda
-        try:
-            info["cuda_devices"] = _native_cuda.device_status()
-        except RuntimeError as e:
-            info["cuda_devices"] = str(e)
+        info["cuda_devices"] = _cuda_status
         if not info["cuda_registered"]:
             info["cuda_error"] = _cuda_error
     else:

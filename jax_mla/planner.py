@@ -213,13 +213,9 @@ def plan_mla(
                               num_tokens=num_tokens, max_pages_per_request=max_pages_per_request,
                               target=target, min_work_units=min_work_units,
                               min_partial_rows=min_partial_rows)
-    _check_scalars(num_heads, page_size, num_tokens, max_pages_per_request)
-    qo = _as_lengths("qo_lens", qo_lens, check_values=False)
-    kv = _as_lengths("kv_lens", kv_lens, check_values=False)
-    if qo.shape != kv.shape:
-        raise ValueError(f"qo_lens has {qo.size} requests but kv_lens has {kv.size}")
-    if target is None:
-        target = default_target()
+    # The native planner checks the lengths' values itself.
+    qo, kv, target = _prepare(qo_lens, kv_lens, num_heads, page_size, num_tokens, max_pages_per_request,
+                              target, check_values=False)
     work, merge, tokens, n_tok, q_tile, n_partial = native(
         qo, kv, num_heads, page_size, -1 if num_tokens is None else num_tokens,
         -1 if max_pages_per_request is None else max_pages_per_request, target.num_workers,
@@ -227,6 +223,18 @@ def plan_mla(
         min_work_units, min_partial_rows)
     return MLAPlan._make(work, merge, tokens, n_tok, int(num_heads), int(page_size), qo.size, q_tile,
                          n_partial)
+
+
+def _prepare(qo_lens, kv_lens, num_heads, page_size, num_tokens, max_pages_per_request, target,
+             check_values: bool):
+    """What both planners check first: the scalar arguments, the lengths as 1-D int64 arrays of one
+    size (check_values: also their int32 range and sign), and the target (default_target() if None)."""
+    _check_scalars(num_heads, page_size, num_tokens, max_pages_per_request)
+    qo = _as_lengths("qo_lens", qo_lens, check_values)
+    kv = _as_lengths("kv_lens", kv_lens, check_values)
+    if qo.shape != kv.shape:
+        raise ValueError(f"qo_lens has {qo.size} requests but kv_lens has {kv.size}")
+    return qo, kv, default_target() if target is None else target
 
 
 def _check_scalars(num_heads, page_size, num_tokens, max_pages_per_request) -> None:
@@ -255,11 +263,8 @@ def plan_mla_numpy(
 ) -> MLAPlan:
     """`plan_mla` in NumPy: the planner's readable definition, and its path where the native module
     is not built. Same arguments, same plan."""
-    _check_scalars(num_heads, page_size, num_tokens, max_pages_per_request)
-    qo = _as_lengths("qo_lens", qo_lens)
-    kv = _as_lengths("kv_lens", kv_lens)
-    if qo.shape != kv.shape:
-        raise ValueError(f"qo_lens has {qo.size} requests but kv_lens has {kv.size}")
+    qo, kv, target = _prepare(qo_lens, kv_lens, num_heads, page_size, num_tokens, max_pages_per_request,
+                              target, check_values=True)
     if (qo > kv).any():
         i = int(np.argmax(qo > kv))
         raise ValueError(f"qo_lens[{i}] = {int(qo[i])} exceeds kv_lens[{i}] = {int(kv[i])} "
@@ -278,8 +283,6 @@ def plan_mla_numpy(
         num_tokens = total_q
     if num_tokens < total_q:
         raise ValueError(f"num_tokens={num_tokens} is less than sum(qo_lens)={total_q}")
-    if target is None:
-        target = default_target()
 
     num_req = qo.size
     q_tile = max(1, ROWS_PER_TILE // num_heads)

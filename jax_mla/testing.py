@@ -55,6 +55,18 @@ def rel_err(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def split_target():
+    """A plan target of many small units: every long request is split and merged."""
+    from .planner import PlanTarget
+    return PlanTarget(num_workers=256, min_chunk=16, chunk_align=16)
+
+
+def no_split_target():
+    """A plan target of one worker: no request is ever split."""
+    from .planner import PlanTarget
+    return PlanTarget(num_workers=1, units_per_worker=1.0, min_chunk=1 << 20)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProblemSpec:
     """One random op problem: what `paged_problems` draws and `build` turns into a batch and a plan."""
@@ -70,14 +82,13 @@ class ProblemSpec:
     def build(self, d_ckv: int, d_kpe: int):
         """(batch, plan): random inputs of this spec; `split` plans for many small units (every long
         request is split and merged), else for one worker (nothing is split)."""
-        from .planner import PlanTarget, plan_mla
+        from .planner import plan_mla
         qo, kv = np.array(self.qo_lens, np.int64), np.array(self.kv_lens, np.int64)
         num_tokens = int(qo.sum()) + self.padding_tokens
         batch = random_paged_batch(np.random.default_rng(self.seed), qo, kv, num_heads=self.num_heads,
                                    page_size=self.page_size, d_ckv=d_ckv, d_kpe=d_kpe,
                                    dtype=jnp.dtype(self.dtype), num_tokens=num_tokens)
-        target = (PlanTarget(num_workers=256, min_chunk=16, chunk_align=16) if self.split else
-                  PlanTarget(num_workers=1, units_per_worker=1.0, min_chunk=1 << 20))
+        target = split_target() if self.split else no_split_target()
         plan = plan_mla(qo, kv, num_heads=self.num_heads, page_size=self.page_size, num_tokens=num_tokens,
                         target=target)
         return batch, plan

@@ -23,7 +23,7 @@ from jax_mla import PlanTarget, mla_paged_attention, mla_paged_attention_referen
 from jax_mla import _ffi
 from jax_mla.attention import CUDA_DIMS
 from jax_mla.planner import KV_END_OPEN, M_NUM_SPLITS, M_QLEN, W_KV_END, W_PARTIAL_ROW, W_QLEN
-from jax_mla.testing import random_paged_batch, rel_err
+from jax_mla.testing import no_split_target, random_paged_batch, rel_err, split_target
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
 # Relative norm error against the float32 reference. 16-bit outputs carry their
@@ -35,9 +35,9 @@ LSE_ATOL = {F32: 1e-4, BF16: 1e-3, F16: 1e-3}
 SMALL = (64, 16)   # d_ckv, d_kpe: CPU-only, keeps CI fast
 DEEPSEEK = (512, 64)
 # Many small units: every long request is split and merged.
-SPLIT = PlanTarget(num_workers=256, min_chunk=16, chunk_align=16)
+SPLIT = split_target()
 # One worker: no request is ever split.
-NO_SPLIT = PlanTarget(num_workers=1, units_per_worker=1.0, min_chunk=1 << 20)
+NO_SPLIT = no_split_target()
 SCALE = 0.09
 
 

@@ -18,6 +18,17 @@ nanobind::capsule ffi_capsule(Fn* fn) {
   return nanobind::capsule(reinterpret_cast<void*>(fn));
 }
 
+// The XLA FFI target of the op (jax_mla/_ffi.py: ATTENTION_TARGET).
+constexpr const char* kAttentionTarget = "jax_mla_paged_attention";
+
+// What each module's registrations() returns: target name -> handler capsule.
+template <typename Fn>
+nanobind::dict attention_registrations(Fn* handler) {
+  nanobind::dict targets;
+  targets[kAttentionTarget] = ffi_capsule(handler);
+  return targets;
+}
+
 // "80,90a" -> ["80", "90a"].
 inline nanobind::list split_list(const std::string& s) {
   nanobind::list out;

@@ -93,11 +93,8 @@ nb::tuple plan(Lengths qo_lens, Lengths kv_lens, int64_t num_heads, int64_t page
 
 NB_MODULE(_native, m) {
   m.doc() = "jax_mla's CPU XLA FFI handler and build facts (see jax_mla.build_info()).";
-  m.def("registrations", []() {
-    nb::dict targets;
-    targets["jax_mla_paged_attention"] = jax_mla::ffi_capsule(JaxMlaPagedAttentionCpu);
-    return targets;
-  }, "XLA FFI target name -> handler capsule, for platform 'cpu'.");
+  m.def("registrations", []() { return jax_mla::attention_registrations(JaxMlaPagedAttentionCpu); },
+        "XLA FFI target name -> handler capsule, for platform 'cpu'.");
   m.def("build_info", &build_info, "What the native libraries were built with and for.");
   m.def("plan_mla", &plan,
         "The host planner's native path (ffi/planner/plan_mla.h): (work, merge, tokens, num_tokens, "

@@ -65,11 +65,8 @@ nb::dict device_status() {
 
 NB_MODULE(_native_cuda, m) {
   m.doc() = "jax_mla's CUDA XLA FFI handler (loaded only where JAX has a CUDA device).";
-  m.def("registrations", []() {
-    nb::dict targets;
-    targets["jax_mla_paged_attention"] = jax_mla::ffi_capsule(JaxMlaPagedAttentionCuda);
-    return targets;
-  }, "XLA FFI target name -> handler capsule, for platform 'CUDA'.");
+  m.def("registrations", []() { return jax_mla::attention_registrations(JaxMlaPagedAttentionCuda); },
+        "XLA FFI target name -> handler capsule, for platform 'CUDA'.");
   m.def("device_status", &device_status,
         "Driver and runtime versions, and per device: compute capability, the kernel that runs "
         "there, and an error when the library holds no code for the device's arch.");

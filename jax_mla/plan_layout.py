@@ -23,6 +23,16 @@ KV_END_OPEN = 0x7FFFFFFF
 # kernel spreads one token's heads over ceil(num_heads / ROWS_PER_TILE) blocks.
 ROWS_PER_TILE = 64
 
+
+def q_tile(num_heads: int) -> int:
+    """Query tokens one work unit takes (plan_layout.h: QTile)."""
+    return max(1, ROWS_PER_TILE // num_heads)
+
+
+def head_blocks(num_heads: int) -> int:
+    """CUDA blocks one unit's heads are spread over (plan_layout.h: HeadBlocks)."""
+    return -(-num_heads // ROWS_PER_TILE)
+
 # Powers of two up to kMaxPageSize.
 MAX_PAGE_SIZE = 256
 SUPPORTED_PAGE_SIZES = tuple(1 << i for i in range(MAX_PAGE_SIZE.bit_length()))

@@ -26,6 +26,7 @@ import numpy as np
 
 # The table layout, the tile rule and the page sizes are the plan contract (plan_layout.py);
 # re-exported here (planner.W_QLEN etc.) for the planner's readers.
+from . import plan_layout
 from .plan_layout import (  # noqa: F401
     KV_END_OPEN, M_NUM_SPLITS, M_PARTIAL_ROW, M_QLEN, M_QSTART, MERGE_COLS, ROWS_PER_TILE,
     SUPPORTED_PAGE_SIZES, W_KV_END, W_KV_START, W_PARTIAL_ROW, W_QEND_OFFSET, W_QLEN, W_QSTART,
@@ -285,8 +286,8 @@ def plan_mla_numpy(
         raise ValueError(f"num_tokens={num_tokens} is less than sum(qo_lens)={total_q}")
 
     num_req = qo.size
-    q_tile = max(1, ROWS_PER_TILE // num_heads)
-    head_blocks = -(-num_heads // ROWS_PER_TILE)
+    q_tile = plan_layout.q_tile(num_heads)
+    head_blocks = plan_layout.head_blocks(num_heads)
     max_q = int(qo.max()) if num_req else 0
 
     # ---- query tiles: ceil(qo / q_tile) per request -----------------------------

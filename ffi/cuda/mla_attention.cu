@@ -97,8 +97,8 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
   p.num_work = (int)wd[0];
   p.num_merge = (int)md[0];
   p.num_partial_rows = (int)pod[0];
-  p.head_blocks = (int)((H + kRowsPerTile - 1) / kRowsPerTile);
-  p.q_tile = (int)std::max<int64_t>(1, kRowsPerTile / H);
+  p.head_blocks = (int)HeadBlocks(H);
+  p.q_tile = (int)QTile(H);
   p.capacity = (int)std::min<int64_t>(max_pages * ps, INT32_MAX);
   p.scale_log2 = sm_scale * kLog2e;
   if (P == 0 || R == 0 || max_pages == 0) {

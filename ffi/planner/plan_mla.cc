@@ -115,8 +115,8 @@ Plan plan_mla(const PlanRequest& in) {
 
   Plan plan;
   const int64_t H = in.num_heads;
-  const int64_t q_tile = std::max<int64_t>(1, kRowsPerTile / H);
-  const int64_t head_blocks = ceil_div(H, kRowsPerTile);
+  const int64_t q_tile = QTile(H);
+  const int64_t head_blocks = HeadBlocks(H);
   const int64_t max_q = R ? *std::max_element(qo, qo + R) : 0;
 
   // ---- query tiles: ceil(qo / q_tile) per request, tokens from the end backwards.

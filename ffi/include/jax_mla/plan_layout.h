@@ -66,6 +66,10 @@ constexpr int32_t kKvEndOpen = 0x7fffffff;
 // ceil(num_heads / kRowsPerTile) blocks.
 constexpr int kRowsPerTile = 64;
 
+// The rule above, written once for every C++ / CUDA user (jax_mla/plan_layout.py mirrors it).
+constexpr int64_t QTile(int64_t num_heads) { return num_heads >= kRowsPerTile ? 1 : kRowsPerTile / num_heads; }
+constexpr int64_t HeadBlocks(int64_t num_heads) { return (num_heads + kRowsPerTile - 1) / kRowsPerTile; }
+
 // Page sizes: powers of two from 1 to kMaxPageSize.
 constexpr int kMaxPageSize = 256;
 

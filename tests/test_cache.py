@@ -78,8 +78,8 @@ def test_append_rejects_bad_rows(rng):
 
 
 def test_append_drops_tokens_past_the_row_and_changes_nothing_else(rng):
-    """Device lengths past the page table's capacity used to be clipped onto the row's last positions,
-    overwriting cached keys; tokens that do not fit are now dropped and every other row is unchanged."""
+    """Device lengths past the page table's capacity: the tokens that do not fit are dropped (not clipped
+    onto the row's last positions, which would overwrite cached keys), and every other row is unchanged."""
     ps, max_pages = 16, 3
     qo = np.array([2, 1, 3])
     kv = np.array([20, 9, 40])

@@ -153,8 +153,9 @@ def test_plan_covers_every_slot():
     (lambda m: m.pages_needed([-4], 1), r"slot -4 is not in \[0, 4\)"),
 ])
 def test_bad_ids_and_counts_raise_and_change_nothing(call, match):
-    """Negative ids used to wrap (numpy indexing): finish(-1) freed slot 3's row and put -1 on the free
-    list; a negative count shrank a request and lost its cached tokens."""
+    """A bad id or count raises and leaves the manager as it was: a negative id must not wrap (NumPy
+    indexing would free another slot's row and put the id on the free list), a negative count must not
+    shrink a request."""
     m = make()
     m.admit([5, 4])
     before = snapshot(m)

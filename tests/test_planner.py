@@ -145,7 +145,7 @@ def test_padding_tokens_and_zero_requests():
     (dict(qo_lens=[[1]], kv_lens=[[3]]), "1-D"),
     (dict(qo_lens=[1, 1], kv_lens=[3, 65], max_pages_per_request=4), r"kv_lens\[1\] = 65 exceeds"),
     (dict(qo_lens=[2], kv_lens=[3], num_tokens=1), "num_tokens=1"),
-    # lengths past int32 raise at once (they used to run the planner out of memory)
+    # lengths past int32 raise at once, before any allocation sized by them
     (dict(qo_lens=[1], kv_lens=[2**31]), r"kv_lens\[0\] = 2147483648 does not fit int32"),
     (dict(qo_lens=[2**31, 1], kv_lens=[2**31, 5]), r"qo_lens\[0\] = 2147483648"),
     (dict(qo_lens=np.array([1], np.uint64), kv_lens=np.array([2**63], np.uint64)), r"kv_lens\[0\] = 9223372036854775808"),

@@ -65,8 +65,7 @@ struct NarrowShape {
   static_assert(S_OFF % 16 == 0 && (S_STRIDE * 4) % 16 == 0, "ldmatrix rows are 16-byte aligned");
 };
 
-// 64 keys x 3 stages measured best overall (ffi/cuda/NOTES.md, v2b: 64 x 2 was faster
-// at 1 x 32K, 28.0 vs 31.7 us, but slower at 32 x 4096 and 128 x 4096; 32 x 5 slower or even).
+// 64 keys x 3 stages: the best of the shapes compared across the target shapes (ffi/cuda/NOTES.md).
 using NarrowShape64x3 = NarrowShape<64, 3>;
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.

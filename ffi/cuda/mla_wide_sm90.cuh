@@ -15,8 +15,8 @@
 //     block's keys), the left half of the latent (dims 0-255) and the right
 //     half (256-511). Each group is refilled as soon as its last reader is
 //     done with it; with four stages the next pair of blocks streams in while
-//     the current pair is multiplied (two stages of 64 keys, tried first, left
-//     loads and MMAs in series: 267 us for 128 x 4096 at 32 rows).
+//     the current pair is multiplied (two stages would leave loads and MMAs in
+//     series; ffi/cuda/NOTES.md, v4a / v4b).
 //   * Two consumers (warpgroups 1 and 2, most registers) split the output by
 //     columns: consumer c keeps O[:, 256c : 256c + 256] in registers (128
 //     floats per thread). They take the key blocks in pairs: consumer 0

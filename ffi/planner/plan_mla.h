@@ -1,7 +1,7 @@
 // The host planner in C++: the same plan as jax_mla/planner.py's NumPy code
 // (`plan_mla_numpy`), bit for bit (tests/test_planner.py compares them), made in
 // a few microseconds. It runs before every decode step, where NumPy's per-call
-// overhead (~1 us per array operation, ~40 of them) was the whole cost.
+// overhead (~1 us per array operation, ~40 of them) is the whole cost.
 // Exposed to Python by ffi/bindings/cpu_module.cc; the table layout is
 // ffi/include/jax_mla/plan_layout.h.
 #pragma once

@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jax_mla-installed
-NATIVE_SOURCES := $(wildcard ffi/*/*.cc ffi/*/*.cu ffi/*/*.cuh ffi/*/*.h ffi/include/*/*.h)
+NATIVE_SOURCES := $(wildcard ffi/*/*.cc ffi/*/*.cu ffi/*/*.cuh ffi/*/*.h ffi/include/*/*.h tools/*/*.cu)
 # The editable install maps the package's modules as they were at install time, so
 # a new module needs a reinstall: keep the module list in a file that changes only
 # when the list does, and depend on it.

@@ -16,8 +16,8 @@ request, "U[lo,hi]"):
   kernel to the end of its last; per call = span / K, median over repetitions.
   Also recorded ("chain wall"): wall time per call, (t(K2) - t(K1)) / (K2 - K1)
   of two jits, which adds the host's per-argument cost of a K-call jit (each
-  call brings its own query arrays and outputs: 6-38 us per call on the H200
-  machine, measured 2026-11-29) and is what the device-time column leaves out.
+  call brings its own query arrays and outputs; benchmarks/results/README.md)
+  and is what the device-time column leaves out.
 * FlashInfer (when importable): BatchMLAPagedAttentionWrapper on the same
   arrays (shared through DLPack), K calls captured in a CUDA graph (eager if
   capture fails), CUDA events, median over repetitions.
@@ -61,51 +61,32 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_mla import PlanTarget, default_target, mla_paged_attention, plan_mla  # noqa: E402
+from jax_mla.arg_specs import Uniform, arg_specs  # noqa: E402
 
 D_CKV, D_KPE = 512, 64
 SCALE = 1.0 / math.sqrt(192.0)
 L2_BYTES = 60 * 2**20
 
-# A shape: (batch, kv_len, heads, page_size, q_len); kv_len may be ("U", lo, hi, seed) and q_len
-# ("U", lo, hi): drawn per request. Targets (issue 9): "us" a ceiling; "TB/s", "TFLOP/s" floors;
-# "peer": ours at least this many times as fast as the faster peer measured in the same run.
-def U(lo, hi, seed=None):
-    return ("U", lo, hi) if seed is None else ("U", lo, hi, seed)
+# A shape here: (batch, kv_len, heads, page_size, q_len), as the records store it; kv_len may be
+# ("U", lo, hi, seed) and q_len ("U", lo, hi): drawn per request. The shapes and their targets come
+# from jax_mla.arg_specs (shared with the tests and the GPU tools). Targets (issue 9): "us" a ceiling;
+# "TB/s", "TFLOP/s" floors; "peer": ours at least this many times as fast as the faster peer measured
+# in the same run.
+def _length(x):
+    if isinstance(x, Uniform):
+        return ("U", x.lo, x.hi) + (() if x.seed is None else (x.seed,))
+    return x
 
 
-TARGETS = {
-    (1, 32768, 16, 64, 1): [("peer", 1.0)],
-    (32, 4096, 16, 64, 1): [("peer", 1.0)],
-    (128, 4096, 16, 64, 1): [("TB/s", 4.1), ("peer", 1.0)],
-    (128, 4096, 16, 1, 1): [("peer", 1.0)],
-    (128, 4096, 128, 64, 1): [("TFLOP/s", 660.0)],
-    (128, 4096, 16, 64, 2): [("peer", 1.0)],
-    (128, 4096, 16, 64, 4): [("peer", 1.0)],
-    (128, 4096, 32, 64, 1): [("peer", 1.0)],
-    (128, 4096, 64, 64, 1): [("peer", 1.0)],
-    (32, 4096, 128, 64, 1): [("peer", 1.0)],
-    (1, 32768, 128, 64, 1): [("peer", 1.0)],
-    (64, 8192, 128, 64, 1): [("peer", 1.0)],
-}
-EXTRA_SHAPES = [
-    (64, 8192, 16, 64, 1),
-    (8, 8192, 16, 16, 1),
-    # ragged: random lengths (the first two as in the FlashMLA kit), mixed q_len, odd head counts
-    (48, U(1, 8192, 7), 32, 64, 1),
-    (32, U(1000, 8192, 5), 128, 64, 1),
-    (64, U(256, 8192, 3), 20, 64, U(1, 3)),
-    (96, U(64, 4096, 4), 40, 16, U(1, 3)),
-]
+def _shape(spec):
+    return spec.batch, _length(spec.kv_lens), spec.heads, spec.page_size, _length(spec.q_lens)
+
+
+TARGETS = {_shape(s): list(s.targets) for s in arg_specs("target")}
+EXTRA_SHAPES = [_shape(s) for s in arg_specs("extra")]
 # q_len 2 against q_len 1 at the same batch: costs at most this much more.
 Q2_OVER_Q1 = ((128, 4096, 16, 64, 2), (128, 4096, 16, 64, 1), 1.05)
-SWEEP_SHAPES = [
-    (1, 32768, 16, 64, 1),
-    (32, 4096, 16, 64, 1),
-    (8, 8192, 16, 64, 1),
-    (1, 32768, 128, 64, 1),
-    (16, 2048, 128, 64, 1),
-    (8, 4096, 16, 64, 4),
-]
+SWEEP_SHAPES = [_shape(s) for s in arg_specs("planner")]
 SWEEP_TARGETS = [  # (units_per_worker, min_chunk, unit_overhead); chunk_align 64
     (1.0, 256, 128),
     (1.0, 128, 0),

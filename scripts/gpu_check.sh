@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# On the GPU machine: build jax_mla (CUDA for sm_90a), check the CUDA kernels
-# against the reference, run the test suite, compute-sanitizer (memcheck and
-# racecheck) on benchmarks/sanitize_case.py, and the benchmark. Logs, the
+# On the GPU machine: build jax_mla (CUDA for sm_90a) and the standalone driver
+# (tools/sanitize_harness), check the CUDA kernels against the reference on the
+# shared correctness shapes (tests/test_arg_specs.py), run the test suite,
+# compute-sanitizer (memcheck, racecheck, synccheck) on the driver, and the benchmark. Logs, the
 # benchmark JSON and the roofline land in $OUT (default /tmp/jax_mla_out).
 #
 #   scripts/gpu_check.sh [build] [decode] [check|quickcheck] [test] [sanitize] [timing] [bench] [sweep]
@@ -61,7 +62,8 @@ fi
 
 if has build; then
   note build
-  if python3 -m pip install --no-build-isolation --no-deps -v -e . > "$LOGS/build.log" 2>&1; then
+  if JAX_MLA_BUILD_TOOLS=ON python3 -m pip install --no-build-isolation --no-deps -v -e . -Cbuild-dir=build/gpu \
+      > "$LOGS/build.log" 2>&1; then
     grep -E "ptxas info|spill|jax_mla:" "$LOGS/build.log" | head -40
   else
     tail -40 "$LOGS/build.log"; echo "BUILD FAILED"; status=1
@@ -79,8 +81,9 @@ if has decode && [ $built -eq 0 ]; then
 fi
 if (has check || has quickcheck) && [ $built -eq 0 ]; then
   note check
-  small=""; has check || small="--small"
-  timeout ${CHECK_TIMEOUT:-240} python3 benchmarks/sanitize_case.py $small 2>&1 | tee "$LOGS/check.log" | tail -20
+  subset=(); has check || subset=(-k small_spec)  # quickcheck: the `small` shapes only
+  timeout ${CHECK_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_arg_specs.py ${subset[@]+"${subset[@]}"} 2>&1 \
+    | tee "$LOGS/check.log" | tail -20
   [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; [ -n "${KEEP_GOING:-}" ] || built=1; }  # wrong kernels: skip the rest
 fi
 
@@ -93,24 +96,23 @@ fi
 if has sanitize && [ $built -eq 0 ]; then
   # Standalone driver (no JAX): one cudaMalloc per operand, so memcheck sees each
   # operand's true bounds; outputs then checked against NumPy.
-  note "sanitizer harness build"
-  nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
-    benchmarks/sanitize_harness.cu -o /tmp/mla_harness > "$LOGS/harness_build.log" 2>&1 || status=1
-  JAX_PLATFORMS=cpu python3 benchmarks/sanitize_harness.py make /tmp/mla_cases | tee "$LOGS/harness_cases.log"
+  harness=build/gpu/sanitize_harness
+  [ -x $harness ] || { echo "no $harness: run the build step"; status=1; }
+  JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py make /tmp/mla_cases | tee "$LOGS/harness_cases.log"
   for tool in memcheck racecheck synccheck; do
-    note "compute-sanitizer --tool $tool /tmp/mla_harness"
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 /tmp/mla_harness /tmp/mla_cases/case*.bin \
+    note "compute-sanitizer --tool $tool $harness"
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 9 $harness /tmp/mla_cases/case*.bin \
       > "$LOGS/sanitizer_$tool.log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || status=1
     tail -4 "$LOGS/sanitizer_$tool.log"
     echo "compute-sanitizer $tool exit $rc" | tee -a "$LOGS/summary.txt"
   done
-  JAX_PLATFORMS=cpu python3 benchmarks/sanitize_harness.py check /tmp/mla_cases 2>&1 | tee -a "$LOGS/summary.txt"
+  JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py check /tmp/mla_cases 2>&1 | tee -a "$LOGS/summary.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ -n "${JAX_SANITIZE:-}" ]; then  # the same kernels under JAX (segfaulted here once)
     note "compute-sanitizer memcheck (JAX process)"
-    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_case.py --small \
+    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider tests/test_arg_specs.py -k small_spec \
       > "$LOGS/sanitizer_jax_memcheck.log" 2>&1
     echo "compute-sanitizer memcheck (JAX) exit $?" | tee -a "$LOGS/summary.txt"
     tail -6 "$LOGS/sanitizer_jax_memcheck.log"
@@ -121,10 +123,8 @@ if has timing && [ $built -eq 0 ]; then
   # The target shapes through the standalone driver: device time per call of the op, of each of its
   # kernels alone and with other merge grids, CUDA graphs and events (no JAX).
   note "driver timing"
-  nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
-    benchmarks/sanitize_harness.cu -o /tmp/mla_harness > "$LOGS/harness_build.log" 2>&1 || status=1
-  JAX_PLATFORMS=cpu python3 benchmarks/sanitize_harness.py timing /tmp/mla_timing > "$LOGS/timing_cases.log" 2>&1
-  timeout 240 /tmp/mla_harness --time /tmp/mla_timing/time*.bin 2>&1 | tee "$LOGS/timing.log"
+  JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing /tmp/mla_timing > "$LOGS/timing_cases.log" 2>&1
+  timeout 240 build/gpu/sanitize_harness --time /tmp/mla_timing/time*.bin 2>&1 | tee "$LOGS/timing.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -1,12 +1,14 @@
-"""Cases for the standalone kernel driver (benchmarks/sanitize_harness.cu) that
+"""Cases for the standalone kernel driver (tools/sanitize_harness/sanitize_harness.cu) that
 compute-sanitizer runs, and the check of its outputs against NumPy.
 
-    python3 benchmarks/sanitize_harness.py make DIR    # writes DIR/case*.bin
-    /tmp/mla_harness DIR/case*.bin                     # (under compute-sanitizer)
-    python3 benchmarks/sanitize_harness.py check DIR   # compares DIR/case*.bin.out
+    python3 tools/sanitize_harness/cases.py make DIR     # writes DIR/case*.bin
+    build/gpu/sanitize_harness DIR/case*.bin             # (under compute-sanitizer)
+    python3 tools/sanitize_harness/cases.py check DIR    # compares DIR/case*.bin.out
+    python3 tools/sanitize_harness/cases.py timing DIR   # plans of the `timing` shapes (--time)
+    python3 tools/sanitize_harness/cases.py profile DIR  # the `profile` shapes (ncu)
 
-Cases: varlen batches with splits, page sizes 1 and 64, heads 16 and 128,
-q_len 1 and 4, an empty request, padding tokens, page ids outside the cache,
+Cases are the `small` shapes of jax_mla/arg_specs.py: varlen batches with splits, page sizes 1 to
+64, heads 16 to 128, q_len 1 to 4, an empty request, padding tokens, page ids outside the cache,
 device lengths below the planned ones; bf16, fp16 and f32.
 """
 
@@ -21,21 +23,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning only; the GPU belongs 
 import numpy as np  # noqa: E402
 
 from jax_mla import PlanTarget, plan_mla  # noqa: E402
+from jax_mla.arg_specs import arg_specs, split_target  # noqa: E402
 
 SCALE = 0.0723
-SPLIT = PlanTarget(num_workers=132, units_per_worker=2.0, min_chunk=64, chunk_align=32)
 DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
 TOL = {0: 6e-3, 1: 2e-3, 2: 1e-5}
-
-CASES = [  # heads, page_size, qo, kv, dtype, padding, device_kv, bad_pages
-    (16, 1, [1, 1, 0, 1, 1], [700, 1, 0, 333, 96], "bfloat16", 2, None, False),
-    (128, 64, [1, 1, 1, 0], [900, 64, 5, 0], "bfloat16", 0, None, False),
-    (16, 64, [4, 2, 4, 1], [530, 77, 4, 260], "bfloat16", 3, None, False),
-    (16, 1, [4, 3], [300, 45], "float16", 0, [297, 2], True),
-    (128, 1, [1, 1], [200, 31], "float32", 1, None, False),
-    (16, 16, [1, 2], [5000, 300], "bfloat16", 0, None, False),  # > 16 splits: four-part merge
-    (32, 16, [2, 1, 2, 1], [333, 190, 64, 2], "float16", 1, None, True),  # wide body, odd block counts
-]
+# The op's default target on an H200 (planner.default_target) for timing, one unit per worker for
+# profiles (whole requests, so a profile sees long units).
+TIMING_TARGET = PlanTarget(num_workers=132, units_per_worker=1.0, min_chunk=256, chunk_align=64)
+PROFILE_TARGET = PlanTarget(num_workers=132, units_per_worker=1.0, min_chunk=256, chunk_align=64,
+                            unit_overhead=128)
 
 
 def _round(x, code):
@@ -46,22 +43,6 @@ def _round(x, code):
     if code == 1:
         return x.astype(np.float16).astype(np.float32)
     return x.astype(np.float32)
-
-
-# Larger cases for profiling the kernels (ncu) at benchmark-like shapes; the
-# default GPU plan (132 workers), so the split case exercises the merge too.
-PROFILE_CASES = [
-    (16, 64, [1] * 128, [1024] * 128, "bfloat16", 0, None, False),
-    (128, 64, [1] * 64, [1024] * 64, "bfloat16", 0, None, False),
-    (16, 64, [1] * 32, [4096] * 32, "bfloat16", 0, None, False),
-]
-
-
-# The benchmark's target shapes for the driver's timing mode (--time): plan only,
-# with the op's default target on an H200 (planner.default_target); the driver draws the data on the device.
-TIMING_CASES = [  # batch, kv_len, heads, page_size
-    (1, 32768, 16, 64), (32, 4096, 16, 64), (128, 4096, 16, 64), (128, 4096, 16, 1), (128, 4096, 128, 64),
-]
 
 
 def _write_case(path, header, float_arrays, int_arrays):
@@ -80,25 +61,26 @@ def _write_case(path, header, float_arrays, int_arrays):
 def make_timing(d):
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(5)
-    for k, (b, l, h, ps) in enumerate(TIMING_CASES):
-        per = -(-l // ps)
+    for k, spec in enumerate(arg_specs("timing")):
+        b, h, ps = spec.num_requests, spec.heads, spec.page_size
+        qo, kv = spec.lengths()
+        per = int(-(-kv.max() // ps))
         table = rng.permutation(b * per).astype(np.int32).reshape(b, per)
-        kv = np.full(b, l, np.int32)
-        plan = plan_mla(np.ones(b, np.int64), kv, num_heads=h, page_size=ps, max_pages_per_request=per,
-                        target=PlanTarget(num_workers=132, units_per_worker=1.0, min_chunk=256, chunk_align=64))
+        plan = plan_mla(qo, kv, num_heads=h, page_size=ps, max_pages_per_request=per, target=TIMING_TARGET)
         header = (0x4D4C4131, 0, b, h, b * per, ps, b, per, b, plan.work.shape[0], plan.merge.shape[0],
                   plan.num_partial_rows, 1)  # last word 1: no data arrays
-        _write_case(os.path.join(d, f"time{k}_{b}x{l}_h{h}_ps{ps}.bin"), header, (),
-                    (table, kv, plan.work, plan.merge))
-        print(f"time{k}: {b}x{l} h{h} ps{ps}: {plan.describe()}")
+        _write_case(os.path.join(d, f"time{k}_{b}x{int(kv.max())}_h{h}_ps{ps}.bin"), header, (),
+                    (table, kv.astype(np.int32), plan.work, plan.merge))
+        print(f"time{k}: {spec.name}: {plan.describe()}")
 
 
-def make(d, cases=None, target=SPLIT):
+def make(d, specs, checked=True):
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(11)
-    for k, (h, ps, qo, kv, dt, pad, dev, bad) in enumerate(cases or CASES):
-        qo, kv = np.array(qo), np.array(kv)
-        t = int(qo.sum()) + pad
+    for k, spec in enumerate(specs):
+        qo, kv = spec.lengths()
+        h, ps, dt = spec.heads, spec.page_size, spec.dtype
+        t = int(qo.sum()) + spec.padding
         need = -(-kv // ps)
         maxp = int(need.max()) + 1
         num_pages = int(need.sum()) + 3
@@ -108,22 +90,23 @@ def make(d, cases=None, target=SPLIT):
         for r, n in enumerate(need):
             table[r, :n] = perm[at:at + n]
             at += n
-        if bad:
+        if spec.bad_pages:
             table[0, 0] = -3
             table[-1, 0] = num_pages + 7
+        target = split_target() if checked else PROFILE_TARGET
         plan = plan_mla(qo, kv, num_heads=h, page_size=ps, num_tokens=t, target=target)
         code = DTYPES[dt]
         arrays = [_round(rng.standard_normal(s, dtype=np.float32), code) for s in
                   ((t, h, 512), (t, h, 64), (num_pages, ps, 512), (num_pages, ps, 64))]
-        kv_dev = np.asarray(kv if dev is None else dev, np.int32)
+        kv_dev = np.asarray(kv if spec.device_kv_lens is None else spec.device_kv_lens, np.int32)
         header = (0x4D4C4131, code, t, h, num_pages, ps, len(qo), maxp, len(kv_dev), plan.work.shape[0],
                   plan.merge.shape[0], plan.num_partial_rows)
         _write_case(os.path.join(d, f"case{k}.bin"), header, arrays, (table, kv_dev, plan.work, plan.merge))
-        if cases is None:  # reference inputs for `check` (the profiling cases are not checked)
+        if checked:  # reference inputs for `check`
             np.savez(os.path.join(d, f"case{k}.npz"), qn=arrays[0], qp=arrays[1], ckv=arrays[2], kpe=arrays[3],
-                   table=table, kv=kv_dev, tokens=np.asarray(plan.tokens), code=code)
+                     table=table, kv=kv_dev, tokens=np.asarray(plan.tokens), code=code)
         w = np.asarray(plan.work)
-        print(f"case{k}: heads={h} ps={ps} {dt} T={t} units={(w[:, 2] > 0).sum()} "
+        print(f"case{k}: {spec.name} T={t} units={(w[:, 2] > 0).sum()} "
               f"split_units={((w[:, 2] > 0) & (w[:, 6] >= 0)).sum()}")
 
 
@@ -179,6 +162,7 @@ if __name__ == "__main__":
     if cmd == "timing":
         sys.exit(make_timing(d))
     if cmd == "profile":
-        sys.exit(make(d, PROFILE_CASES, PlanTarget(num_workers=132, units_per_worker=1.0, min_chunk=256,
-                                                    chunk_align=64, unit_overhead=128)))
-    sys.exit(make(d) if cmd == "make" else check(d))
+        sys.exit(make(d, arg_specs("profile"), checked=False))
+    if cmd == "make":
+        sys.exit(make(d, arg_specs("small")))
+    sys.exit(check(d))

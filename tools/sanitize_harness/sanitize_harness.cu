@@ -1,13 +1,13 @@
 // Standalone driver of the CUDA kernels for compute-sanitizer: no JAX, one
 // cudaMalloc per operand (so memcheck knows every operand's exact bounds),
 // outputs poisoned with NaN bytes before the launch. Cases come from
-// benchmarks/sanitize_harness.py, which also checks the outputs against a
-// NumPy reference.
+// tools/sanitize_harness/cases.py (the `small` and `timing` shapes of
+// jax_mla/arg_specs.py), which also checks the outputs against a NumPy reference.
 //
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 -std=c++17 -O3 -lineinfo -Iffi/include -Iffi/cuda \
-//        benchmarks/sanitize_harness.cu -o /tmp/mla_harness
-//   /tmp/mla_harness case0.bin [case1.bin ...]   (writes caseN.bin.out)
-//   /tmp/mla_harness --time timeN.bin ...         (device time per call of the op,
+//   built as the CMake target `sanitize_harness` with JAX_MLA_BUILD_TOOLS=ON
+//   (scripts/gpu_check.sh: build/gpu/sanitize_harness)
+//   sanitize_harness case0.bin [case1.bin ...]   (writes caseN.bin.out)
+//   sanitize_harness --time timeN.bin ...         (device time per call of the op,
 //        of its attention kernel alone, its merge kernel alone and of an empty
 //        kernel: CUDA graphs of 20 calls on random device data, caches rotated)
 #include <algorithm>
@@ -254,8 +254,8 @@ int main(int argc, char** argv) {
     p.num_work = W;
     p.num_merge = M;
     p.num_partial_rows = Pp;
-    p.head_blocks = (H + kRowsPerTile - 1) / kRowsPerTile;
-    p.q_tile = std::max(1, kRowsPerTile / H);
+    p.head_blocks = (int)jax_mla::HeadBlocks(H);
+    p.q_tile = (int)jax_mla::QTile(H);
     p.capacity = maxp * ps;
     p.scale_log2 = scale * kLog2e;
     if (timing) {

@@ -1,0 +1,194 @@
+"""The op's shapes, one list shared by the tests, the benchmarks and the GPU tools (in the manner of
+tokamax's ``arg_specs``): a shape is named and tagged once here, and each consumer selects by tag.
+
+Tags:
+  ``target``   benchmark shapes with performance targets (``benchmarks/bench_attention.py``);
+  ``extra``    further benchmark shapes, ragged and held-out kinds, no targets;
+  ``planner``  shapes whose planner targets the benchmark's ``--sweep`` compares;
+  ``timing``   shapes the standalone CUDA driver times (``tools/sanitize_harness``);
+  ``profile``  shapes the driver runs under ncu (``scripts/gpu_profile.sh``);
+  ``sweep``    the CUDA correctness sweep (``tests/test_arg_specs.py``, marked ``gpu``);
+  ``small``    the short correctness set: compute-sanitizer's cases, and run on every backend in CI.
+
+A length is an int (every request), a tuple (one per request) or a `Uniform` draw per request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Uniform:
+    """Per-request lengths drawn uniformly from [lo, hi]; `seed` fixes the draw for every run."""
+    lo: int
+    hi: int
+    seed: int | None = None
+
+    def __str__(self):
+        return f"U[{self.lo},{self.hi}]"
+
+
+Length = Union[int, tuple, Uniform]
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgSpec:
+    """One shape of the op: per-request query and kv lengths, heads, page size, dtype, plus the
+    irregularities a correctness case may carry (padding tokens, device lengths below the planned
+    ones, page ids outside the cache) and, for benchmark shapes, their targets."""
+    heads: int
+    page_size: int
+    q_lens: Length
+    kv_lens: Length
+    batch: int | None = None   # needed when neither length is a tuple
+    dtype: str = "bfloat16"
+    padding: int = 0           # query tokens after the last request's, covered by no request
+    device_kv_lens: tuple | None = None  # what the device sees, below the planned lengths
+    bad_pages: bool = False    # two page ids outside the cache inside the kv range
+    split: bool = False        # plan for many small units (`split_target`): splits and merges everywhere
+    tags: frozenset = frozenset()
+    # Benchmark targets: ("peer", x) ours >= x times as fast as the fastest peer; ("TB/s", x),
+    # ("TFLOP/s", x) floors; ("us", x) a ceiling.
+    targets: tuple = ()
+
+    @property
+    def num_requests(self) -> int:
+        for x in (self.q_lens, self.kv_lens):
+            if isinstance(x, tuple):
+                return len(x)
+        if self.batch is None:
+            raise ValueError("an ArgSpec without per-request lengths needs `batch`")
+        return self.batch
+
+    def lengths(self, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Per-request (q_lens, kv_lens), int64 host arrays, kv_len >= q_len (the new tokens are cached)."""
+        b = self.num_requests
+
+        def draw(x, default_seed):
+            if isinstance(x, Uniform):
+                rng = np.random.default_rng(default_seed if x.seed is None else x.seed)
+                return rng.integers(x.lo, x.hi + 1, b)
+            return np.asarray(x if isinstance(x, tuple) else [x] * b)
+
+        qo = draw(self.q_lens, seed + 101).astype(np.int64)
+        kv = draw(self.kv_lens, seed).astype(np.int64)
+        return qo, np.maximum(kv, qo)
+
+    @property
+    def name(self) -> str:
+        def s(x):
+            return f"[{','.join(map(str, x))}]" if isinstance(x, tuple) else str(x)
+        irregular = "".join([f" pad{self.padding}" if self.padding else "",
+                             " devkv" if self.device_kv_lens is not None else "",
+                             " badpages" if self.bad_pages else "", " split" if self.split else ""])
+        lead = f"{self.batch}x" if self.batch is not None else ""
+        return (f"{lead}{s(self.kv_lens)} h{self.heads} ps{self.page_size} q{s(self.q_lens)} "
+                f"{self.dtype}{irregular}")
+
+    def plan_target(self):
+        """`split_target()` when the spec asks for splits, else None (the op's default target)."""
+        return split_target() if self.split else None
+
+    def build(self, rng: np.random.Generator, *, d_ckv: int = 512, d_kpe: int = 64):
+        """(batch, plan, page_table, device kv_lens): random inputs of this spec and its plan; the page
+        table and device lengths carry the spec's irregularities."""
+        import jax.numpy as jnp
+
+        from .planner import plan_mla
+        from .testing import random_paged_batch
+
+        qo, kv = self.lengths()
+        t = int(qo.sum()) + self.padding
+        batch = random_paged_batch(rng, qo, kv, num_heads=self.heads, page_size=self.page_size, d_ckv=d_ckv,
+                                   d_kpe=d_kpe, dtype=jnp.dtype(self.dtype), num_tokens=t)
+        plan = plan_mla(qo, kv, num_heads=self.heads, page_size=self.page_size, num_tokens=t,
+                        target=self.plan_target())
+        table = batch.page_table
+        if self.bad_pages:  # keys on these pages are skipped by every backend
+            host = batch.page_table_host.copy()
+            host[0, 0] = -3
+            host[-1, 0] = batch.ckv.shape[0] + 7
+            table = jnp.asarray(host)
+        kv_dev = batch.kv_lens if self.device_kv_lens is None else jnp.asarray(self.device_kv_lens, jnp.int32)
+        return batch, plan, table, kv_dev
+
+
+def split_target():
+    """Splits everywhere: small chunks on a pretend 132-SM GPU (the correctness cases' target)."""
+    from .planner import PlanTarget
+    return PlanTarget(num_workers=132, units_per_worker=2.0, min_chunk=64, chunk_align=32)
+
+
+def _tags(*names):
+    return frozenset(names)
+
+
+_PEER = (("peer", 1.0),)
+
+ARG_SPECS: tuple[ArgSpec, ...] = (
+    # ---- benchmark shapes with targets (issue 9); "timing": also timed by the standalone driver
+    ArgSpec(16, 64, 1, 32768, batch=1, tags=_tags("target", "timing", "planner"), targets=_PEER),
+    ArgSpec(16, 64, 1, 4096, batch=32, tags=_tags("target", "timing", "planner"), targets=_PEER),
+    ArgSpec(16, 64, 1, 4096, batch=128, tags=_tags("target", "timing"), targets=(("TB/s", 4.1), ("peer", 1.0))),
+    ArgSpec(16, 1, 1, 4096, batch=128, tags=_tags("target", "timing"), targets=_PEER),
+    ArgSpec(128, 64, 1, 4096, batch=128, tags=_tags("target", "timing"), targets=(("TFLOP/s", 660.0),)),
+    ArgSpec(16, 64, 2, 4096, batch=128, tags=_tags("target"), targets=_PEER),
+    ArgSpec(16, 64, 4, 4096, batch=128, tags=_tags("target"), targets=_PEER),
+    ArgSpec(32, 64, 1, 4096, batch=128, tags=_tags("target"), targets=_PEER),
+    ArgSpec(64, 64, 1, 4096, batch=128, tags=_tags("target"), targets=_PEER),
+    ArgSpec(128, 64, 1, 4096, batch=32, tags=_tags("target"), targets=_PEER),
+    ArgSpec(128, 64, 1, 32768, batch=1, tags=_tags("target", "planner"), targets=_PEER),
+    ArgSpec(128, 64, 1, 8192, batch=64, tags=_tags("target"), targets=_PEER),
+    # ---- further benchmark shapes: ragged (the first two as in the FlashMLA kit), mixed q_len, odd heads
+    ArgSpec(16, 64, 1, 8192, batch=64, tags=_tags("extra")),
+    ArgSpec(16, 16, 1, 8192, batch=8, tags=_tags("extra")),
+    ArgSpec(32, 64, 1, Uniform(1, 8192, 7), batch=48, tags=_tags("extra")),
+    ArgSpec(128, 64, 1, Uniform(1000, 8192, 5), batch=32, tags=_tags("extra")),
+    ArgSpec(20, 64, Uniform(1, 3), Uniform(256, 8192, 3), batch=64, tags=_tags("extra")),
+    ArgSpec(40, 16, Uniform(1, 3), Uniform(64, 4096, 4), batch=96, tags=_tags("extra")),
+    # ---- planner sweep only
+    ArgSpec(16, 64, 1, 8192, batch=8, tags=_tags("planner")),
+    ArgSpec(128, 64, 1, 2048, batch=16, tags=_tags("planner")),
+    ArgSpec(16, 64, 4, 4096, batch=8, tags=_tags("planner")),
+    # ---- kernel profiles (ncu) at benchmark-like shapes
+    ArgSpec(16, 64, 1, 1024, batch=128, tags=_tags("profile")),
+    ArgSpec(128, 64, 1, 1024, batch=64, tags=_tags("profile")),
+    ArgSpec(16, 64, 1, 4096, batch=32, tags=_tags("profile")),
+    # ---- correctness: the short set (compute-sanitizer's cases, every backend in CI) ...
+    # varlen decode, page sizes 1 and 64, heads 16 and 128, empty requests, padding
+    ArgSpec(16, 1, (1, 1, 0, 1, 1), (700, 1, 0, 333, 96), padding=2, split=True, tags=_tags("small", "sweep")),
+    ArgSpec(128, 64, (1, 1, 1, 0), (900, 64, 5, 0), split=True, tags=_tags("small", "sweep")),
+    # causal q_len 4 and 2, ragged; device lengths below the plan's and page ids outside the cache
+    ArgSpec(16, 64, (4, 2, 4, 1), (530, 77, 4, 260), padding=3, split=True, tags=_tags("small", "sweep")),
+    ArgSpec(16, 1, (4, 3), (300, 45), dtype="float16", device_kv_lens=(297, 2), bad_pages=True, split=True,
+            tags=_tags("small", "sweep")),
+    ArgSpec(128, 1, (1, 1), (200, 31), dtype="float32", padding=1, split=True, tags=_tags("small", "sweep")),
+    # one long request over many units (> 16 splits: the merge's four-part path) beside a short one
+    ArgSpec(16, 16, (1, 2), (5000, 300), split=True, tags=_tags("small", "sweep")),
+    # the wide body with odd block counts
+    ArgSpec(32, 16, (2, 1, 2, 1), (333, 190, 64, 2), dtype="float16", padding=1, bad_pages=True, split=True,
+            tags=_tags("small", "sweep")),
+    # ---- ... and the rest of the CUDA sweep: long ranges (many trips round the key ring) on the
+    # default plan, two head blocks of unequal size, odd head counts, one head with 64-token tiles
+    ArgSpec(16, 16, 1, (20000, 3000, 129), tags=_tags("sweep")),
+    ArgSpec(128, 64, 1, (9000, 2500), tags=_tags("sweep")),
+    ArgSpec(100, 32, 1, (1500, 40, 700), split=True, tags=_tags("sweep")),
+    ArgSpec(20, 128, (3, 1, 2), (900, 128, 2), split=True, tags=_tags("sweep")),
+    ArgSpec(1, 16, (64, 9), (700, 9), split=True, tags=_tags("sweep")),
+    ArgSpec(64, 256, 1, (3000, 700), dtype="float16", padding=1, tags=_tags("sweep")),
+    ArgSpec(8, 2, (8, 5, 1), (400, 5, 1000), dtype="float16", device_kv_lens=(404, 3, 0), split=True,
+            tags=_tags("sweep")),
+    ArgSpec(16, 64, 4, (2048, 1000, 64), dtype="float32", tags=_tags("sweep")),
+)
+
+
+def arg_specs(tag: str) -> list[ArgSpec]:
+    """The specs carrying `tag`, in the list's order."""
+    found = [s for s in ARG_SPECS if tag in s.tags]
+    if not found:
+        raise ValueError(f"no ArgSpec is tagged {tag!r}")
+    return found

@@ -74,13 +74,41 @@ JAX_MLA_INLINE uint16_t FloatToF16(float f) {
   return sign | static_cast<uint16_t>(FloatBits(r) - 0x3f000000u);
 }
 
-enum class Elem { kF32, kBF16, kF16 };
+enum class Elem { kF32, kBF16, kF16, kF8E4M3 };
 
-inline int64_t ElemBytes(Elem e) { return e == Elem::kF32 ? 4 : 2; }
+inline int64_t ElemBytes(Elem e) { return e == Elem::kF32 ? 4 : e == Elem::kF8E4M3 ? 1 : 2; }
 
-// n elements of type `e` at src -> float.
-JAX_MLA_INLINE void ToFloat(Elem e, const void* src, int64_t n, float* dst) {
+// float8_e4m3fn (the FP8 cache): sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities,
+// S.1111.111 is NaN; exponent 0 holds the subnormals m x 2^-9. All 256 values, decoded once:
+// a table lookup is exact and cheaper than the bit arithmetic per element.
+struct F8E4M3Table {
+  float value[256];
+  F8E4M3Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int exp = (b >> 3) & 0xf, mant = b & 7;
+      float v = exp == 0 ? static_cast<float>(mant) * (1.0f / 512.0f)
+                         : BitsFloat(static_cast<uint32_t>(exp + 120) << 23 | static_cast<uint32_t>(mant) << 20);
+      if (exp == 15 && mant == 7) v = BitsFloat(0x7fc00000u);
+      value[b] = (b & 0x80) ? -v : v;
+    }
+  }
+};
+
+inline const float* F8E4M3Values() {
+  static const F8E4M3Table table;
+  return table.value;
+}
+
+// n elements of type `e` at src -> float. Only cache tensors are fp8, dequantized here (value =
+// fp8 x scale); `scale` applies to fp8 only.
+JAX_MLA_INLINE void ToFloat(Elem e, const void* src, int64_t n, float* dst, float scale = 1.0f) {
   switch (e) {
+    case Elem::kF8E4M3: {
+      const uint8_t* s = static_cast<const uint8_t*>(src);
+      const float* values = F8E4M3Values();
+      for (int64_t i = 0; i < n; ++i) dst[i] = values[s[i]] * scale;
+      return;
+    }
     case Elem::kF32:
       std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
       return;
@@ -97,9 +125,11 @@ JAX_MLA_INLINE void ToFloat(Elem e, const void* src, int64_t n, float* dst) {
   }
 }
 
-// n floats -> elements of type `e` at dst, scaled by `scale`.
+// n floats -> elements of type `e` at dst, scaled by `scale`. (Outputs are never fp8.)
 JAX_MLA_INLINE void FromFloat(Elem e, const float* src, float scale, int64_t n, void* dst) {
   switch (e) {
+    case Elem::kF8E4M3:
+      return;
     case Elem::kF32: {
       float* d = static_cast<float*>(dst);
       for (int64_t i = 0; i < n; ++i) d[i] = src[i] * scale;

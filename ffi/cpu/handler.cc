@@ -57,7 +57,8 @@ ffi::Error Mismatch(const std::string& what) {
 ffi::Error PagedAttentionImpl(ffi::ThreadPool& pool, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv,
                               ffi::AnyBuffer kpe, ffi::Buffer<ffi::S32> page_table,
                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> work,
-                              ffi::Buffer<ffi::S32> merge, float sm_scale,
+                              ffi::Buffer<ffi::S32> merge, ffi::Buffer<ffi::F32> ckv_scale,
+                              ffi::Buffer<ffi::F32> kpe_scale, float sm_scale,
                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                               ffi::Result<ffi::Buffer<ffi::F32>> partial_o,
                               ffi::Result<ffi::Buffer<ffi::F32>> partial_lse) {
@@ -84,10 +85,26 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool& pool, ffi::AnyBuffer q_nope, ffi:
     case ffi::F16: pb.elem = Elem::kF16; break;
     default: return Mismatch("q_nope must be float32, bfloat16 or float16");
   }
-  for (ffi::DataType t : {q_pe.element_type(), ckv.element_type(), kpe.element_type(), out->element_type()}) {
-    if (t != q_nope.element_type()) return Mismatch("q_pe, ckv, kpe and out must have q_nope's dtype");
+  for (ffi::DataType t : {q_pe.element_type(), out->element_type()}) {
+    if (t != q_nope.element_type()) return Mismatch("q_pe and out must have q_nope's dtype");
   }
   pb.elem_bytes = ElemBytes(pb.elem);
+  // The caches: q's dtype, or float8_e4m3fn (value = fp8 x scale; the Python side checks the rest).
+  const bool ckv_fp8 = ckv.element_type() == ffi::F8E4M3FN, kpe_fp8 = kpe.element_type() == ffi::F8E4M3FN;
+  if ((!ckv_fp8 && ckv.element_type() != q_nope.element_type()) ||
+      (!kpe_fp8 && kpe.element_type() != q_nope.element_type())) {
+    return Mismatch("ckv and kpe must have q_nope's dtype or be float8_e4m3fn");
+  }
+  if (ckv_scale.element_count() != 1 || kpe_scale.element_count() != 1) {
+    return Mismatch("ckv_scale and kpe_scale must hold one float32 each");
+  }
+  pb.ckv_elem = ckv_fp8 ? Elem::kF8E4M3 : pb.elem;
+  pb.kpe_elem = kpe_fp8 ? Elem::kF8E4M3 : pb.elem;
+  pb.ckv_bytes = ElemBytes(pb.ckv_elem);
+  pb.kpe_bytes = ElemBytes(pb.kpe_elem);
+  // Host memory on the CPU platform: the scales are read here, once per call.
+  pb.ckv_scale = ckv_fp8 ? ckv_scale.typed_data()[0] : 1.0f;
+  pb.kpe_scale = kpe_fp8 ? kpe_scale.typed_data()[0] : 1.0f;
 
   const auto qn = q_nope.dimensions(), qp = q_pe.dimensions();
   const auto kc = ckv.dimensions(), kr = kpe.dimensions();
@@ -184,13 +201,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool& pool, ffi::AnyBuffer q_nope, ffi:
 ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv,
                              ffi::AnyBuffer kpe, ffi::Buffer<ffi::S32> page_table,
                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> work,
-                             ffi::Buffer<ffi::S32> merge, float sm_scale,
+                             ffi::Buffer<ffi::S32> merge, ffi::Buffer<ffi::F32> ckv_scale,
+                             ffi::Buffer<ffi::F32> kpe_scale, float sm_scale,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                              ffi::Result<ffi::Buffer<ffi::F32>> partial_o,
                              ffi::Result<ffi::Buffer<ffi::F32>> partial_lse) {
   try {
-    return PagedAttentionImpl(pool, q_nope, q_pe, ckv, kpe, page_table, kv_lens, work, merge, sm_scale, out,
-                              lse, partial_o, partial_lse);
+    return PagedAttentionImpl(pool, q_nope, q_pe, ckv, kpe, page_table, kv_lens, work, merge, ckv_scale,
+                              kpe_scale, sm_scale, out, lse, partial_o, partial_lse);
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("jax_mla paged attention (cpu): ") + e.what());
   }
@@ -210,6 +228,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaPagedAttentionCpu, jax_mla::cpu::PagedAttent
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()          // kv_lens
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()          // work
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()          // merge
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()          // ckv_scale [1]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()          // kpe_scale [1]
                                   .Attr<float>("sm_scale")
                                   .Ret<xla::ffi::AnyBuffer>()                      // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()          // lse

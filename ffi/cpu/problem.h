@@ -16,8 +16,11 @@ namespace jax_mla {
 namespace cpu {
 
 struct Problem {
-  Elem elem;
+  Elem elem;             // queries and output
   int64_t elem_bytes;
+  Elem ckv_elem, kpe_elem;  // the caches: elem, or kF8E4M3 with a scale
+  int64_t ckv_bytes, kpe_bytes;
+  float ckv_scale, kpe_scale;  // value = stored x scale (fp8); 1 otherwise
   int64_t num_tokens, num_heads, d_ckv, d_kpe;
   int64_t num_pages, page_size;
   int64_t num_requests;  // min(page_table rows, kv_lens entries)

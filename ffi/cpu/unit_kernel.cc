@@ -49,8 +49,8 @@ JAX_MLA_INLINE void LoadKeyBlock(const Problem& pb, int64_t request, int64_t k0,
     } else {
       sc.key_ok[j] = -1;
       const int64_t slot = page * pb.page_size + k % pb.page_size;
-      ToFloat(pb.elem, pb.ckv + slot * dc * pb.elem_bytes, dc, ckv_row);
-      ToFloat(pb.elem, pb.kpe + slot * dr * pb.elem_bytes, dr, kpe_row);
+      ToFloat(pb.ckv_elem, pb.ckv + slot * dc * pb.ckv_bytes, dc, ckv_row, pb.ckv_scale);
+      ToFloat(pb.kpe_elem, pb.kpe + slot * dr * pb.kpe_bytes, dr, kpe_row, pb.kpe_scale);
     }
   }
 }

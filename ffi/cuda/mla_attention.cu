@@ -27,6 +27,7 @@ ffi::Error bad(const std::string& msg) { return ffi::Error::InvalidArgument("jax
 ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi::AnyBuffer q_pe, ffi::AnyBuffer ckv,
                                 ffi::AnyBuffer kpe, ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> kv_lens,
                                 ffi::Buffer<ffi::S32> work, ffi::Buffer<ffi::S32> merge,
+                                ffi::Buffer<ffi::F32> ckv_scale, ffi::Buffer<ffi::F32> kpe_scale,
                                 ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                 ffi::Result<ffi::Buffer<ffi::F32>> partial_o,
                                 ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, float sm_scale) {
@@ -56,7 +57,14 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
       psd[1] != H) {
     return bad("workspace shapes " + dims_str(pod) + ", " + dims_str(psd) + " are inconsistent");
   }
+  if (ckv_scale.element_count() != 1 || kpe_scale.element_count() != 1) {
+    return bad("ckv_scale and kpe_scale must hold one float32 each");
+  }
   const ffi::DataType dt = q_nope.element_type();
+  if (ckv.element_type() == ffi::DataType::F8E4M3FN || kpe.element_type() == ffi::DataType::F8E4M3FN) {
+    // (jax_mla.mla_paged_attention sends fp8 caches on GPUs to the reference instead.)
+    return bad("these CUDA kernels read bfloat16, float16 and float32 caches, not float8_e4m3fn");
+  }
   if (q_pe.element_type() != dt || ckv.element_type() != dt || kpe.element_type() != dt ||
       out->element_type() != dt) {
     return bad("q_nope, q_pe, ckv, kpe and out must share one dtype");
@@ -141,6 +149,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaPagedAttentionCuda, jax_mla::cuda::paged_att
                                   .Arg<ffi::Buffer<ffi::S32>>()     // kv_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()     // work
                                   .Arg<ffi::Buffer<ffi::S32>>()     // merge
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // ckv_scale [1] (fp8 caches; else 1)
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // kpe_scale [1]
                                   .Ret<ffi::AnyBuffer>()            // out
                                   .Ret<ffi::Buffer<ffi::F32>>()     // lse
                                   .Ret<ffi::Buffer<ffi::F32>>()     // partial_o (workspace)

@@ -57,9 +57,14 @@ def main(argv=None) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--backend", choices=["auto", "ffi", "reference"], default="auto")
+    p.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "float8_e4m3fn"], default=None,
+                   help="latent cache dtype (default: --dtype); float8_e4m3fn: FP8 ckv with a per-layer scale")
+    p.add_argument("--kv-scale", type=float, default=1.0, help="the FP8 cache's scale (value = fp8 x scale)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
+    kv_dtype = jnp.dtype(args.kv_cache_dtype or args.dtype)
+    cache = dict(kv_cache_dtype=kv_dtype, kv_scale=args.kv_scale)
 
     dev = jax.devices()[0]
     if args.hf:
@@ -77,14 +82,15 @@ def main(argv=None) -> int:
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
     max_len = int(lens.max()) + args.new_tokens
     steps = args.new_tokens - 1  # the prefill samples the first new token
-    runs = resolve_backend(args.backend, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    runs = resolve_backend(args.backend, cfg.kv_lora_rank, cfg.qk_rope_head_dim, (kv_dtype,))
     print(f"device: {dev.platform} ({dev.device_kind}); attention backend: {args.backend} -> {runs}"
           + (" (no FFI kernel for this platform and these head dims)" if args.backend == "auto" and runs == "reference"
              else ""))
+    print(f"latent cache: {kv_dtype.name}" + (f" (scale {args.kv_scale:g})" if kv_dtype.itemsize == 1 else ""))
     print(f"prompts: {args.batch} of {lens.min()}..{lens.max()} tokens; {args.new_tokens} new tokens each")
 
     # ---- host-planned loop on the chosen backend -------------------------------------
-    gen = Generator(model, make_manager(args, max_len), backend=args.backend)
+    gen = Generator(model, make_manager(args, max_len), backend=args.backend, **cache)
     t0 = time.perf_counter()
     slots, _ = gen.prefill(prompts, with_logits=True)
     gen.results()
@@ -111,7 +117,7 @@ def main(argv=None) -> int:
     dispatch_us = 1e6 * float(np.median(gen.timings["dispatch_s"]))
 
     # ---- fully jitted loop: two scans of half the steps (the first one compiles) ----------
-    gen_j = Generator(model, make_manager(args, max_len), backend=args.backend)
+    gen_j = Generator(model, make_manager(args, max_len), backend=args.backend, **cache)
     gen_j.prefill(prompts)
     half = steps // 2
     gen_j.decode_jitted(half)
@@ -125,7 +131,7 @@ def main(argv=None) -> int:
     out_j = gen_j.results()
 
     # ---- the same model on the jnp reference attention ---------------------------------
-    gen_r = Generator(model, make_manager(args, max_len), backend="reference")
+    gen_r = Generator(model, make_manager(args, max_len), backend="reference", **cache)
     gen_r.prefill(prompts)
     ref_logits = [np.asarray(x) for x in gen_r.decode(steps, with_logits=True)]
     out_r = gen_r.results()
@@ -142,7 +148,7 @@ def main(argv=None) -> int:
     print(f"max |logit difference| vs reference attention: {diff:.3g} (logits up to {scale:.3g})")
     print(f"tokens identical to the reference path: host-planned {same_host}, jitted {same_jit}")
     print(f"request 0 continues with: {out[slots[0]][:16]}{' ...' if len(out[slots[0]]) > 16 else ''}")
-    tol = 1e-3 if dtype == jnp.float32 else 5e-2
+    tol = 1e-3 if dtype == jnp.float32 and kv_dtype == jnp.float32 else 5e-2
     ok = same_host and same_jit and diff <= tol * max(scale, 1.0)
     if ok:
         print(f"PASS: both loops match the reference attention path (logit tolerance {tol * max(scale, 1.0):.3g})")

@@ -5,6 +5,7 @@ from .attention import mla_paged_attention, resolve_backend
 from .cache import append_paged_kv
 from .paging import PagedBatch, PagedCacheManager, PagedKV
 from .planner import MLAPlan, PlanTarget, default_target, plan_mla
+from .quant import FP8_DTYPE, fp8_scale, quantize_fp8
 from .reference import mla_paged_attention_reference
 
 __all__ = [
@@ -20,5 +21,8 @@ __all__ = [
     "MLAPlan",
     "PlanTarget",
     "default_target",
+    "FP8_DTYPE",
+    "fp8_scale",
+    "quantize_fp8",
 ]
 __version__ = "0.1.0"

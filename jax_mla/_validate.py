@@ -6,6 +6,7 @@ import numpy as np
 import jax.numpy as jnp
 
 from .planner import MLAPlan, SUPPORTED_PAGE_SIZES
+from .quant import check_scale, is_fp8
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -22,8 +23,10 @@ def _dtype(x):
     return jnp.dtype(d if d is not None else np.asarray(x).dtype)
 
 
-def check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale):
-    """Raise ValueError / TypeError naming the offending argument and value."""
+def check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale, ckv_scale=None,
+                         kpe_scale=None):
+    """Raise ValueError / TypeError naming the offending argument and value. Returns
+    (T, H, d_ckv, d_kpe, ckv_scale, kpe_scale), the scales as float32 [1] arrays or None."""
     t, h, d_ckv = _shape("q_nope", q_nope, 3)
     t2, h2, d_kpe = _shape("q_pe", q_pe, 3)
     p, ps, d_ckv2 = _shape("ckv", ckv, 3)
@@ -44,11 +47,23 @@ def check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_s
         raise ValueError(f"empty dimension: d_ckv={d_ckv}, d_kpe={d_kpe}, pages={p}, max_pages={max_pages}, "
                          f"page_table rows={r} (pad the batch with idle requests instead)")
     qd = _dtype(q_nope)
+    if is_fp8(qd):
+        raise ValueError(f"q_nope dtype {qd.name}: queries are bfloat16 or float16 (only the cache may be fp8)")
     if qd not in FLOAT_DTYPES:
         raise TypeError(f"q_nope dtype {qd} is not supported; use bfloat16, float16 or float32")
-    for name, x in (("q_pe", q_pe), ("ckv", ckv), ("kpe", kpe)):
-        if _dtype(x) != qd:
-            raise TypeError(f"{name} dtype {_dtype(x)} differs from q_nope dtype {qd}")
+    if _dtype(q_pe) != qd:
+        raise TypeError(f"q_pe dtype {_dtype(q_pe)} differs from q_nope dtype {qd}")
+    # The cache: q's dtype, or an fp8 ckv (kpe fp8 or q's dtype) with float32 scales.
+    ckv_fp8, kpe_fp8 = is_fp8(_dtype(ckv)), is_fp8(_dtype(kpe))
+    if (ckv_fp8 or kpe_fp8) and qd == jnp.dtype(jnp.float32):
+        raise ValueError("an fp8 cache takes bfloat16 or float16 queries, got float32 q_nope")
+    if kpe_fp8 and not ckv_fp8:
+        raise ValueError(f"kpe is float8_e4m3fn but ckv is {_dtype(ckv).name}: an fp8 kpe needs an fp8 ckv")
+    for name, x, fp8 in (("ckv", ckv, ckv_fp8), ("kpe", kpe, kpe_fp8)):
+        if not fp8 and _dtype(x) != qd:
+            raise TypeError(f"{name} dtype {_dtype(x)} differs from q_nope dtype {qd} (and is not float8_e4m3fn)")
+    ckv_scale = check_scale("ckv_scale", ckv_scale, "ckv", _dtype(ckv))
+    kpe_scale = check_scale("kpe_scale", kpe_scale, "kpe", _dtype(kpe))
     for name, x in (("page_table", page_table), ("kv_lens", kv_lens)):
         if _dtype(x) != jnp.dtype(jnp.int32):
             raise TypeError(f"{name} must be int32, got {_dtype(x)}")
@@ -67,7 +82,7 @@ def check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_s
     if not isinstance(sm_scale, (float, int, np.floating)) or not np.isfinite(sm_scale) or sm_scale <= 0:
         raise ValueError(f"sm_scale must be a positive finite Python float, got {sm_scale!r}")
     check_host_tables(page_table, kv_lens, p, ps)
-    return t, h, d_ckv, d_kpe
+    return t, h, d_ckv, d_kpe, ckv_scale, kpe_scale
 
 
 def check_host_tables(page_table, kv_lens, num_pages: int, page_size: int) -> None:

@@ -21,6 +21,8 @@ BACKENDS = ("auto", "ffi", "reference")
 # Head dims the CUDA kernels are compiled for (ffi/cuda). Other dims use the
 # CPU handler on CPU and the reference on GPU.
 CUDA_DIMS = ((512, 64),)
+# Cache dtypes the CUDA kernels read (the CPU handler reads all of the op's, fp8 included).
+CUDA_CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 @functools.lru_cache(maxsize=None)
@@ -28,23 +30,28 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def resolve_backend(backend: str, d_ckv: int, d_kpe: int) -> str:
+def resolve_backend(backend: str, d_ckv: int, d_kpe: int, cache_dtypes=()) -> str:
     """What `backend` ('auto', 'ffi' or 'reference') runs as on JAX's default platform for these head
-    dims: 'ffi' or 'reference'. Raises ValueError for 'ffi' where no kernel is built for them."""
+    dims and cache dtypes: 'ffi' or 'reference'. Raises ValueError for 'ffi' where no kernel is built
+    for them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "reference":
         return backend
     platform = jax.default_backend()
     built = _ffi.has_ffi(platform)
-    ok = built and (platform == "cpu" or (d_ckv, d_kpe) in CUDA_DIMS)
+    dims_ok = platform == "cpu" or (d_ckv, d_kpe) in CUDA_DIMS
+    dtypes_ok = platform == "cpu" or all(jnp.dtype(d) in CUDA_CACHE_DTYPES for d in cache_dtypes)
+    ok = built and dims_ok and dtypes_ok
     if not ok:
         why = (_ffi.unavailable_reason(platform) if not built else
-               f"the CUDA kernels are built for (d_ckv, d_kpe) in {CUDA_DIMS}")
+               f"the CUDA kernels are built for (d_ckv, d_kpe) in {CUDA_DIMS}" if not dims_ok else
+               f"the CUDA kernels read caches of {[d.name for d in CUDA_CACHE_DTYPES]}, "
+               f"not {[jnp.dtype(d).name for d in cache_dtypes]}")
         if backend == "ffi":
             raise ValueError(f"backend='ffi' has no kernel for platform {platform!r} with "
                              f"d_ckv={d_ckv}, d_kpe={d_kpe}: {why}")
-        if not built and platform != "cpu":
+        if platform != "cpu" and (not built or not dtypes_ok):
             _warn_once(f"jax_mla: no {platform} kernel ({why}); backend='auto' runs the jax.numpy reference")
     return "ffi" if ok else "reference"
 
@@ -61,6 +68,8 @@ def mla_paged_attention(
     sm_scale: float,
     return_lse: bool = False,
     backend: str = "auto",
+    ckv_scale: jax.Array | float | None = None,
+    kpe_scale: jax.Array | float | None = None,
 ):
     """Paged Multi-head Latent Attention (absorbed form) over a paged latent cache.
 
@@ -85,7 +94,11 @@ def mla_paged_attention(
     NaN in, NaN out: a NaN (or inf) in a query row, or NaN in a cache row that a
     token sees, makes exactly those (token, head) rows NaN in out and LSE, on
     every backend; cache slots a token does not see never reach its output.
-    q, ckv and kpe share one dtype: bfloat16, float16 or float32.
+    q, ckv and kpe share one dtype: bfloat16, float16 or float32, except for an
+    FP8 cache (jax_mla.quant): ckv stored as float8_e4m3fn with its float32 scale
+    `ckv_scale` (shape () or (1,), a device operand: a new value does not retrace),
+    kpe in the query dtype or float8_e4m3fn with `kpe_scale`; the cache's value is
+    fp8 x scale. Queries are then bfloat16 or float16.
 
     Returns out [T, H, d_ckv] in the query dtype, and with return_lse=True also
     lse [T, H] float32: the natural-log log-sum-exp of the scaled scores
@@ -94,11 +107,13 @@ def mla_paged_attention(
     backend: 'auto' (the FFI kernel of the current platform when it has one for
     these head dims, else the reference), 'ffi' or 'reference'.
     """
-    t, h, d_ckv, d_kpe = check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale)
-    which = resolve_backend(backend, d_ckv, d_kpe)
+    t, h, d_ckv, d_kpe, ckv_scale, kpe_scale = check_attention_args(
+        q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale, ckv_scale, kpe_scale)
+    which = resolve_backend(backend, d_ckv, d_kpe, (ckv.dtype, kpe.dtype))
     if which == "reference":
         return mla_paged_attention_reference(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan,
-                                             sm_scale=sm_scale, return_lse=return_lse)
+                                             sm_scale=sm_scale, return_lse=return_lse, ckv_scale=ckv_scale,
+                                             kpe_scale=kpe_scale)
     out_types = (
         jax.ShapeDtypeStruct((t, h, d_ckv), q_nope.dtype),
         jax.ShapeDtypeStruct((t, h), jnp.float32),
@@ -108,7 +123,10 @@ def mla_paged_attention(
         jax.ShapeDtypeStruct((plan.num_partial_rows, h), jnp.float32),
     )
     call = jax.ffi.ffi_call(_ffi.ATTENTION_TARGET, out_types, vmap_method="sequential")
+    # Scales are operands of every call (1 for an unquantized tensor: a constant of the program).
+    one = jnp.ones((1,), jnp.float32)
     out, lse, _, _ = call(q_nope, q_pe, ckv, kpe, page_table, kv_lens,
                           jnp.asarray(plan.work, jnp.int32), jnp.asarray(plan.merge, jnp.int32),
+                          one if ckv_scale is None else ckv_scale, one if kpe_scale is None else kpe_scale,
                           sm_scale=np.float32(sm_scale))
     return (out, lse) if return_lse else out

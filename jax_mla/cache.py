@@ -8,6 +8,7 @@ import numpy as np
 
 from ._validate import check_host_tables
 from .planner import MLAPlan
+from .quant import check_scale, quantize_fp8
 
 
 def cache_slots(page_table: jax.Array, kv_lens: jax.Array, plan: MLAPlan, num_pages: int) -> jax.Array:
@@ -42,10 +43,16 @@ def append_paged_kv(
     page_table: jax.Array,
     kv_lens: jax.Array,
     plan: MLAPlan,
+    *,
+    ckv_scale: jax.Array | float | None = None,
+    kpe_scale: jax.Array | float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write new rows ckv_new [T, d_ckv] and kpe_new [T, d_kpe] into the caches.
 
     Token t of the plan goes to its request's position ``kv_lens[r] - e_t``.
+    A float8_e4m3fn cache tensor takes its scale (``ckv_scale`` / ``kpe_scale``, float32 scalars)
+    and the rows are quantized as they are written (jax_mla.quant.quantize_fp8: x / scale, round
+    to nearest even, saturate to ±448, NaN stays NaN); other caches take the rows cast to their dtype.
     Returns the updated (ckv, kpe). Inside `jax.jit` with the caches donated
     (``donate_argnums``) XLA updates them in place: only T rows are written, the
     cache is never copied (tests/test_cache.py checks the buffer and the HLO).
@@ -65,9 +72,15 @@ def append_paged_kv(
         raise ValueError(f"plan has {plan.num_requests} requests but page_table has {np.shape(page_table)[0]} rows "
                          f"and kv_lens {np.shape(kv_lens)[0]} entries")
     check_host_tables(page_table, kv_lens, num_pages, ps)  # as the op does: a bad host value raises
+    ckv_scale = check_scale("ckv_scale", ckv_scale, "ckv", ckv.dtype)
+    kpe_scale = check_scale("kpe_scale", kpe_scale, "kpe", kpe.dtype)
+
+    def stored(rows, cache, scale):
+        return rows.astype(cache.dtype) if scale is None else quantize_fp8(rows, scale)
+
     slots = cache_slots(page_table, kv_lens, plan, num_pages)
-    ckv = ckv.reshape(num_pages * ps, d_ckv).at[slots].set(ckv_new.astype(ckv.dtype), mode="drop",
+    ckv = ckv.reshape(num_pages * ps, d_ckv).at[slots].set(stored(ckv_new, ckv, ckv_scale), mode="drop",
                                                            unique_indices=True)
-    kpe = kpe.reshape(num_pages * ps, d_kpe).at[slots].set(kpe_new.astype(kpe.dtype), mode="drop",
+    kpe = kpe.reshape(num_pages * ps, d_kpe).at[slots].set(stored(kpe_new, kpe, kpe_scale), mode="drop",
                                                            unique_indices=True)
     return ckv.reshape(num_pages, ps, d_ckv), kpe.reshape(num_pages, ps, d_kpe)

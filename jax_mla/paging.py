@@ -22,15 +22,19 @@ import numpy as np
 
 from .plan_layout import visible_keys
 from .planner import MLAPlan, PlanTarget, SUPPORTED_PAGE_SIZES, bucket, default_target, plan_mla
+from .quant import is_fp8
 
 __all__ = ["OutOfPagesError", "OutOfSlotsError", "PagedCacheManager", "PagedKV", "PagedBatch", "token_positions",
            "bucket"]
 
 class PagedKV(NamedTuple):
-    """One layer's latent cache: ckv [P, page_size, kv_lora_rank], kpe [P, page_size, rope_dim]."""
+    """One layer's latent cache: ckv [P, page_size, kv_lora_rank], kpe [P, page_size, rope_dim], and for
+    a float8_e4m3fn tensor its float32 scale [1] (value = fp8 x scale; None for other dtypes)."""
 
     ckv: jax.Array
     kpe: jax.Array
+    ckv_scale: jax.Array | None = None
+    kpe_scale: jax.Array | None = None
 
 
 class PagedBatch(NamedTuple):
@@ -275,12 +279,31 @@ class PagedCacheManager:
         return plan_mla(qo_lens, kv_lens, num_heads=num_heads, page_size=self.page_size, num_tokens=num_tokens,
                         max_pages_per_request=self.max_pages_per_request, target=self.target)
 
-    def init_caches(self, num_layers: int, kv_lora_rank: int, rope_dim: int, dtype=jnp.float32, device=None):
-        """Zeroed per-layer (ckv, kpe) page buffers, shapes [num_pages, page_size, d]."""
+    def init_caches(self, num_layers: int, kv_lora_rank: int, rope_dim: int, dtype=jnp.float32, device=None, *,
+                    kpe_dtype=None, ckv_scale: float = 1.0, kpe_scale: float = 1.0):
+        """Zeroed per-layer `PagedKV` page buffers, shapes [num_pages, page_size, d].
 
+        dtype is the latent (ckv) cache's dtype. For ``float8_e4m3fn`` (jax_mla.quant) each layer
+        also gets its float32 scale, `ckv_scale` (1.0 by default, as serving stacks use uncalibrated;
+        `jax_mla.fp8_scale` computes one from sample data), and kpe is kept in `kpe_dtype`, bfloat16
+        by default (rope dims are few and precision-sensitive); an fp8 kpe takes `kpe_scale`.
+        Without fp8, kpe_dtype defaults to dtype."""
+        dtype = jnp.dtype(dtype)
+        kpe_dtype = jnp.dtype(kpe_dtype if kpe_dtype is not None else (jnp.bfloat16 if is_fp8(dtype) else dtype))
+        if is_fp8(kpe_dtype) and not is_fp8(dtype):
+            raise ValueError(f"kpe_dtype float8_e4m3fn needs an fp8 ckv cache, got dtype {dtype.name}")
         shape = (self.num_pages, self.page_size)
 
-        def zeros(d):
-            return jax.device_put(jnp.zeros(shape + (d,), dtype), device)
+        def zeros(d, dt):
+            return jax.device_put(jnp.zeros(shape + (d,), dt), device)
 
-        return tuple(PagedKV(zeros(kv_lora_rank), zeros(rope_dim)) for _ in range(num_layers))
+        def scale(dt, value, name):
+            if not is_fp8(dt):
+                return None
+            if not (np.isfinite(value) and value > 0):
+                raise ValueError(f"{name} = {value!r} must be finite and > 0")
+            return jax.device_put(jnp.full((1,), value, jnp.float32), device)
+
+        return tuple(PagedKV(zeros(kv_lora_rank, dtype), zeros(rope_dim, kpe_dtype),
+                             scale(dtype, ckv_scale, "ckv_scale"), scale(kpe_dtype, kpe_scale, "kpe_scale"))
+                     for _ in range(num_layers))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from .plan_layout import visible_keys
 from .planner import MLAPlan
+from .quant import check_scale, dequantize
 
 
 # The reference walks the keys in chunks of whole pages (about KEY_CHUNK keys) with an
@@ -34,13 +35,18 @@ def mla_paged_attention_reference(
     *,
     sm_scale: float,
     return_lse: bool = False,
+    ckv_scale: jax.Array | float | None = None,
+    kpe_scale: jax.Array | float | None = None,
 ):
     """Same signature and contract as `jax_mla.mla_paged_attention`.
 
     Keys a token may not see (past its causal limit or its request's length, or
     on a page id outside the cache) never reach the output, whatever the cache
     holds there (garbage, NaN); a NaN in a query gives NaN in that row only.
+    An fp8 cache is dequantized (fp8 x scale, float32) as it is gathered.
     """
+    ckv_scale = check_scale("ckv_scale", ckv_scale, "ckv", ckv.dtype)
+    kpe_scale = check_scale("kpe_scale", kpe_scale, "kpe", kpe.dtype)
     num_pages, page_size, d_ckv = ckv.shape
     d_kpe = kpe.shape[-1]
     num_tokens, num_heads = q_nope.shape[:2]
@@ -76,8 +82,8 @@ def mla_paged_attention_reference(
             pg = jnp.clip(pg, 0, num_pages - 1)  # in bounds; masked below, never used
             pos = c * chunk + jnp.arange(chunk)
             seen = (pos[None, :] < nv[:, None]) & jnp.repeat(ok, page_size, axis=1)  # [block, chunk]
-            k_c = jnp.where(seen[..., None], ckv[pg].reshape(block, chunk, d_ckv).astype(f32), 0.0)
-            k_r = jnp.where(seen[..., None], kpe[pg].reshape(block, chunk, d_kpe).astype(f32), 0.0)
+            k_c = jnp.where(seen[..., None], dequantize(ckv[pg].reshape(block, chunk, d_ckv), ckv_scale), 0.0)
+            k_r = jnp.where(seen[..., None], dequantize(kpe[pg].reshape(block, chunk, d_kpe), kpe_scale), 0.0)
             s = (jnp.einsum("thd,tkd->thk", qn, k_c, precision=hp)
                  + jnp.einsum("thd,tkd->thk", qp, k_r, precision=hp)) * scale
             s = jnp.where(seen[:, None, :], s, -jnp.inf)

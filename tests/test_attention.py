@@ -377,7 +377,8 @@ def test_cpu_handler_rejects_bad_operands():
     f = lambda *s, dt=F32: jnp.ones(s, dt)
     i32 = lambda *s: jnp.zeros(s, jnp.int32)
     good = dict(q_nope=f(t, h, 64), q_pe=f(t, h, 16), ckv=f(p, ps, 64), kpe=f(p, ps, 16),
-                page_table=i32(1, 2), kv_lens=i32(1), work=i32(16, 8), merge=i32(16, 4))
+                page_table=i32(1, 2), kv_lens=i32(1), work=i32(16, 8), merge=i32(16, 4),
+                ckv_scale=jnp.ones((1,), F32), kpe_scale=jnp.ones((1,), F32))
 
     def call(**override):
         ops = {**good, **override}
@@ -394,7 +395,10 @@ def test_cpu_handler_rejects_bad_operands():
                               (dict(ckv=f(p, ps, 32)), "disagree"),
                               (dict(work=i32(16, 7)), "plan tables"),
                               (dict(page_table=i32(2)), "rank"),
-                              (dict(q_nope=i32(t, h, 64)), "float32, bfloat16 or float16")):
+                              (dict(q_nope=i32(t, h, 64)), "float32, bfloat16 or float16"),
+                              (dict(ckv_scale=jnp.ones((2,), F32)), "one float32 each"),
+                              (dict(ckv=f(p, ps, 64, dt=jnp.float8_e4m3fn), q_nope=f(t, h, 64, dt=BF16),
+                                    q_pe=f(t, h, 16, dt=BF16), kpe=f(p, ps, 16, dt=jnp.int8)), "float8_e4m3fn")):
         with pytest.raises(Exception, match=message):
             call(**override)
 

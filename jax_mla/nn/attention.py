@@ -9,12 +9,22 @@ from flax import nnx
 from ..attention import mla_paged_attention
 from ..cache import append_paged_kv
 from ..paging import PagedBatch, PagedKV, token_positions
+from ..quant import dequantize, is_fp8, quantize_fp8
 from .config import DeepseekConfig
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 __all__ = ["PagedKV", "PagedBatch", "RMSNorm", "MLAAttention", "token_positions", "FORMS"]
 
 FORMS = ("absorbed", "expanded")
+
+
+def stored_values(x: jax.Array, dtype, scale, compute_dtype) -> jax.Array:
+    """x as the cache will hold it, in compute_dtype: cast to the cache dtype, or for an fp8 cache
+    quantized and dequantized (so the expanded form sees the values the cache stores; the append
+    quantizes the result again, exactly: fp8 x scale / scale round-trips)."""
+    if scale is None:
+        return x.astype(dtype).astype(compute_dtype)
+    return dequantize(quantize_fp8(x, scale), scale).astype(compute_dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -123,30 +133,33 @@ class MLAAttention(nnx.Module):
         if t != batch.plan.num_tokens:
             raise ValueError(f"x has {t} tokens but the plan was made for {batch.plan.num_tokens}")
         h, dv = cfg.num_attention_heads, cfg.v_head_dim
-        cache_dtype = kv.ckv.dtype
+        # Queries and new rows go to the op in the cache's dtype; with an fp8 cache (jax_mla.quant),
+        # in kpe's dtype (bf16 / f16; bf16 for an fp8 kpe), and the append quantizes them.
+        cache_dtype = kv.kpe.dtype if not is_fp8(kv.kpe.dtype) else jnp.dtype(jnp.bfloat16)
         positions = token_positions(batch)
         q_nope, q_pe = self.queries(x)
         q_pe = self.rope(q_pe, positions)
         ckv_new, kpe_new = self.latents(x)
         kpe_new = self.rope(kpe_new, positions)
         # Both forms attend to the values as stored (cache dtype) so they agree in bf16 too.
-        ckv_new = ckv_new.astype(cache_dtype)
-        kpe_new = kpe_new.astype(cache_dtype)
+        ckv_new = stored_values(ckv_new, kv.ckv.dtype, kv.ckv_scale, cache_dtype)
+        kpe_new = stored_values(kpe_new, kv.kpe.dtype, kv.kpe_scale, cache_dtype)
         ckv, kpe = append_paged_kv(kv.ckv, kv.kpe, ckv_new, kpe_new, batch.page_table, batch.kv_lens,
-                                   batch.plan)
+                                   batch.plan, ckv_scale=kv.ckv_scale, kpe_scale=kv.kpe_scale)
         w_uk = self.w_uk[...].astype(self.dtype)
         w_uv = self.w_uv[...].astype(self.dtype)
         if form == "absorbed":
             q_abs = jnp.einsum("thd,hdr->thr", q_nope, w_uk, precision=self.precision)
             latent = mla_paged_attention(q_abs.astype(cache_dtype), q_pe.astype(cache_dtype), ckv, kpe,
                                          batch.page_table, batch.kv_lens, batch.plan,
-                                         sm_scale=cfg.softmax_scale, backend=backend)
+                                         sm_scale=cfg.softmax_scale, backend=backend, ckv_scale=kv.ckv_scale,
+                                         kpe_scale=kv.kpe_scale)
             o = jnp.einsum("thr,hvr->thv", latent.astype(self.dtype), w_uv, precision=self.precision)
         else:
             o = self._expanded_attention(q_nope, q_pe, ckv_new, kpe_new, jnp.asarray(batch.plan.tokens),
                                          w_uk, w_uv)
         y = self.o_proj(o.reshape(t, h * dv).astype(self.dtype))
-        return y, PagedKV(ckv, kpe)
+        return y, PagedKV(ckv, kpe, kv.ckv_scale, kv.kpe_scale)
 
     def _expanded_attention(self, q_nope, q_pe, ckv_new, kpe_new, tokens, w_uk, w_uv):
         """Standard attention among this step's tokens, k/v expanded from the latents.

@@ -26,8 +26,12 @@ from flax import nnx
 
 from ..attention import resolve_backend
 from ..paging import PagedBatch, PagedCacheManager, bucket
+from ..quant import FP8_DTYPE, is_fp8
 from .attention import FORMS
 from .model import DeepseekModel
+
+# Latent cache dtypes a Generator can keep.
+KV_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), FP8_DTYPE)
 
 __all__ = ["Generator", "choose_prefill_form"]
 
@@ -74,17 +78,18 @@ class Generator:
     """Batched greedy (or temperature) generation with a DeepseekModel over a paged cache.
 
     backend: the attention op's backend ('auto', 'ffi', 'reference').
+    kv_cache_dtype: the latent cache's dtype, the model's dtype by default; ``"float8_e4m3fn"``
+      stores ckv in FP8 (e4m3) with one float32 scale per layer, `kv_scale` (jax_mla.quant), and
+      kpe in bfloat16 (float16 for a float16 model).
     min_token_bucket: smallest number of query rows of a step; rows are padded
       to a power of two so that steps of similar size share one compiled program.
     """
 
     def __init__(self, model: DeepseekModel, manager: PagedCacheManager, *, backend: str = "auto",
-                 cache_dtype=None, temperature: float = 0.0, seed: int = 0, min_token_bucket: int = 8):
+                 kv_cache_dtype=None, kv_scale: float = 1.0, temperature: float = 0.0, seed: int = 0,
+                 min_token_bucket: int = 8):
         self.cfg = model.cfg
         self.manager = manager
-        # An unknown name (or 'ffi' where no kernel is built) fails here, not at the first step.
-        resolve_backend(backend, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
-        self.backend = backend
         if not (np.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         self.temperature = float(temperature)
@@ -95,8 +100,19 @@ class Generator:
         self._params_def = jax.tree.structure(params)
         self.params = jax.tree.leaves(params)
         cfg = self.cfg
-        self.caches = manager.init_caches(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                                          cache_dtype or model.dtype)
+        try:
+            dtype = jnp.dtype(kv_cache_dtype if kv_cache_dtype is not None else model.dtype)
+        except TypeError as e:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not a dtype") from e
+        if dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={dtype.name} is not one of {[d.name for d in KV_CACHE_DTYPES]}")
+        kpe_dtype = jnp.dtype(jnp.float16) if jnp.dtype(model.dtype) == jnp.float16 else None
+        # An unknown name (or 'ffi' where no kernel is built) fails here, not at the first step.
+        resolve_backend(backend, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, (dtype,))
+        self.backend = backend
+        self.kv_cache_dtype = dtype
+        self.caches = manager.init_caches(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype,
+                                          kpe_dtype=kpe_dtype if is_fp8(dtype) else None, ckv_scale=kv_scale)
         self.next_tokens = jnp.zeros((manager.max_requests,), jnp.int32)  # per slot: the next input token
         self.rng = jax.random.key(seed)
         self.traces: collections.Counter[str] = collections.Counter()

@@ -1,0 +1,286 @@
+"""The FP8 (e4m3) latent cache: quantizing append, every backend reading fp8 against the float32
+reference on the dequantized cache, validation, and the module / Generator with an fp8 cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_mla import (FP8_DTYPE, PlanTarget, append_paged_kv, fp8_scale, mla_paged_attention,
+                     mla_paged_attention_reference, plan_mla, quantize_fp8)
+from jax_mla._ffi import has_ffi
+from jax_mla.testing import random_paged_batch, rel_err, split_target
+
+SCALE = 0.0723
+CKV_SCALE = 0.0125  # fp8 values of ~N(0, 80): the cache's values are ~N(0, 1)
+KPE_SCALE = 0.0075
+
+
+def fp8_problem(rng, qo, kv, *, heads, page_size, qdtype=jnp.bfloat16, fp8_kpe=False, d_ckv=512, d_kpe=64,
+                split=True, padding=0):
+    qo, kv = np.asarray(qo), np.asarray(kv)
+    t = int(qo.sum()) + padding
+    b = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=page_size, d_ckv=d_ckv, d_kpe=d_kpe,
+                           dtype=jnp.float32, num_tokens=t)
+    ckv = quantize_fp8(b.ckv, CKV_SCALE)
+    kpe = quantize_fp8(b.kpe, KPE_SCALE) if fp8_kpe else b.kpe.astype(qdtype)
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=page_size, num_tokens=t,
+                    target=split_target() if split else PlanTarget(num_workers=1))
+    scales = dict(ckv_scale=jnp.float32(CKV_SCALE), kpe_scale=jnp.float32(KPE_SCALE) if fp8_kpe else None)
+    return b, b.q_nope.astype(qdtype), b.q_pe.astype(qdtype), ckv, kpe, plan, scales
+
+
+def dequantized_reference(qn, qp, ckv, kpe, b, plan, scales):
+    f32 = jnp.float32
+    ckv_f = ckv.astype(f32) * CKV_SCALE
+    kpe_f = kpe.astype(f32) * (KPE_SCALE if scales["kpe_scale"] is not None else 1.0)
+    return mla_paged_attention_reference(qn.astype(f32), qp.astype(f32), ckv_f, kpe_f, b.page_table, b.kv_lens,
+                                         plan, sm_scale=SCALE, return_lse=True)
+
+
+def needs_ffi():
+    if not has_ffi(jax.default_backend()):
+        pytest.skip("no FFI kernel for this platform")
+
+
+# ---- quantization ---------------------------------------------------------------------------------
+
+def test_fp8_quantize_rounds_to_nearest_even_saturates_and_keeps_nan():
+    x = jnp.asarray([1.0625, 1.1875, -1.0625, 448.0, 500.0, 1e9, -jnp.inf, jnp.inf, jnp.nan, 0.0, 2.0 ** -10],
+                    jnp.float32)
+    q = np.asarray(quantize_fp8(x, 1.0).astype(jnp.float32))
+    # ties go to the even mantissa: 1.0625 is halfway between 1.0 and 1.125, 1.1875 between 1.125 and 1.25
+    np.testing.assert_array_equal(q[:8], [1.0, 1.25, -1.0, 448.0, 448.0, 448.0, -448.0, 448.0])
+    assert np.isnan(q[8]) and q[9] == 0.0
+    assert q[10] == 0.0  # 2^-10 is half the smallest subnormal (2^-9): ties to even, 0
+    # the scale divides: value = fp8 x scale
+    np.testing.assert_array_equal(np.asarray(quantize_fp8(x[:2] * 0.5, 0.5).astype(jnp.float32)), [1.0, 1.25])
+
+
+def test_fp8_scale_from_data():
+    x = jnp.asarray([[0.5, -3.0], [2.0, 1.0]], jnp.float32)
+    assert float(fp8_scale(x)) == pytest.approx(3.0 / 448.0)
+    assert float(fp8_scale(jnp.zeros(4))) == 1.0
+    q = quantize_fp8(x, fp8_scale(x))
+    assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == 448.0
+
+
+# ---- the op ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("qdtype", [jnp.bfloat16, jnp.float16])
+def test_fp8_op_matches_reference_on_dequantized_cache(rng, page_size, qdtype):
+    needs_ffi()
+    # ragged q_len (decode, MTP, extend), an empty request, padding tokens, splits and merges
+    qo, kv = [1, 3, 0, 2, 6], [300, 97, 0, 2, 150]
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, qo, kv, heads=16, page_size=page_size, qdtype=qdtype,
+                                                     padding=2)
+    out, lse = jax.jit(lambda *a: mla_paged_attention(*a, sm_scale=SCALE, return_lse=True, backend="ffi",
+                                                      **scales))(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan)
+    ref, ref_lse = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
+    assert rel_err(out, ref) < 3e-3
+    empty = np.isneginf(np.asarray(ref_lse))
+    assert empty.any() and (np.asarray(out.astype(jnp.float32))[empty] == 0).all()
+    assert (np.isneginf(np.asarray(lse)) == empty).all()
+    np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], atol=2e-3)
+
+
+@pytest.mark.parametrize("heads", [1, 16, 128])
+def test_fp8_kpe_and_heads_match_reference(rng, heads):
+    needs_ffi()
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, [1, 2], [200, 61], heads=heads, page_size=16,
+                                                     fp8_kpe=True)
+    out = mla_paged_attention(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan, sm_scale=SCALE, backend="ffi",
+                              **scales)
+    ref, _ = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
+    assert rel_err(out, ref) < 3e-3
+
+
+def test_fp8_reference_backend_equals_dequantized_reference(rng):
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, [1, 4], [90, 33], heads=4, page_size=4, d_ckv=64,
+                                                     d_kpe=16)
+    out = mla_paged_attention(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan, sm_scale=SCALE,
+                              backend="reference", **scales)
+    ref, _ = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
+    assert rel_err(out, ref) < 3e-3
+
+
+def test_fp8_error_against_the_unquantized_cache_is_reported(rng):
+    """What fp8 costs: the same problem on the bf16 cache the fp8 one was made from."""
+    needs_ffi()
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, [1] * 8, [500] * 8, heads=16, page_size=64)
+    fp8 = mla_paged_attention(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan, sm_scale=SCALE, **scales)
+    bf16 = mla_paged_attention(qn, qp, b.ckv.astype(jnp.bfloat16), kpe, b.page_table, b.kv_lens, plan,
+                               sm_scale=SCALE)
+    err = rel_err(fp8, bf16)
+    print(f"fp8 vs bf16 cache: relative error {err:.2e}")
+    assert 1e-3 < err < 6e-2  # e4m3 keeps 3 mantissa bits: visible, but small
+
+
+def test_fp8_scale_is_an_operand_not_a_static_argument(rng):
+    needs_ffi()
+    b, qn, qp, ckv, kpe, plan, _ = fp8_problem(rng, [1, 1], [40, 9], heads=2, page_size=4, d_ckv=64, d_kpe=16)
+    traces = []
+
+    @jax.jit
+    def f(scale):
+        traces.append(1)
+        return mla_paged_attention(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan, sm_scale=SCALE,
+                                   ckv_scale=scale)
+
+    a = f(jnp.float32(0.5))
+    c = f(jnp.float32(0.25))
+    assert len(traces) == 1
+    # values are fp8 x scale: halving the scale halves every output (attention is scale-equivariant in v
+    # only through the scores, so compare against the reference instead of a closed form)
+    for s, got in ((0.5, a), (0.25, c)):
+        ref = mla_paged_attention_reference(qn.astype(jnp.float32), qp.astype(jnp.float32),
+                                            ckv.astype(jnp.float32) * s, kpe.astype(jnp.float32), b.page_table,
+                                            b.kv_lens, plan, sm_scale=SCALE)
+        assert rel_err(got, ref) < 3e-3
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda p: p(ckv_scale=None), "ckv is float8_e4m3fn: pass ckv_scale"),
+    (lambda p: p(ckv_scale=jnp.ones((2,), jnp.float32)), r"ckv_scale must be a scalar .* shape \(2,\)"),
+    (lambda p: p(ckv_scale=jnp.ones((), jnp.bfloat16)), "ckv_scale must be float32, got bfloat16"),
+    (lambda p: p(ckv_scale=np.float32(-1.0)), r"ckv_scale = -1.0 must be finite and > 0"),
+    (lambda p: p(kpe_scale=jnp.float32(1.0)), "kpe_scale is given but kpe is bfloat16"),
+    (lambda p: p(q_dtype=FP8_DTYPE), "q_nope dtype float8_e4m3fn: queries are bfloat16 or float16"),
+    (lambda p: p(q_dtype=jnp.float32), "an fp8 cache takes bfloat16 or float16 queries"),
+    (lambda p: p(fp8_kpe_only=True), "kpe is float8_e4m3fn but ckv is bfloat16"),
+])
+def test_fp8_bad_arguments_raise_value_errors(rng, call, match):
+    b, qn, qp, ckv, kpe, plan, _ = fp8_problem(rng, [1], [9], heads=2, page_size=4, d_ckv=64, d_kpe=16)
+
+    def p(ckv_scale=jnp.float32(CKV_SCALE), kpe_scale=None, q_dtype=jnp.bfloat16, fp8_kpe_only=False):
+        c, k = (b.ckv.astype(jnp.bfloat16), quantize_fp8(b.kpe, 1.0)) if fp8_kpe_only else (ckv, kpe)
+        q_dtype = jnp.bfloat16 if fp8_kpe_only else q_dtype
+        return mla_paged_attention(qn.astype(q_dtype), qp.astype(q_dtype), c, k, b.page_table, b.kv_lens, plan,
+                                   sm_scale=SCALE, ckv_scale=None if fp8_kpe_only else ckv_scale,
+                                   kpe_scale=kpe_scale)
+
+    with pytest.raises(ValueError, match=match):
+        call(p)
+
+
+# ---- append -----------------------------------------------------------------------------------------
+
+def test_fp8_append_quantizes_in_place_and_round_trips(rng):
+    qo, kv = np.array([2, 1, 0, 3]), np.array([30, 7, 0, 12])
+    b = random_paged_batch(rng, qo, kv, num_heads=2, page_size=4, d_ckv=64, d_kpe=16, num_tokens=8,
+                           extra_pages=40)
+    plan = plan_mla(qo, kv, num_heads=2, page_size=4, num_tokens=8)
+    ckv = quantize_fp8(b.ckv, 0.05)
+    kpe = b.kpe.astype(jnp.bfloat16)
+    new_c = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+    new_c = new_c.at[0, 0].set(1e6).at[0, 1].set(-jnp.inf).at[1, 2].set(jnp.nan)  # saturate; NaN stays
+    new_p = jnp.asarray(rng.standard_normal((8, 16)), jnp.bfloat16)
+    step = jax.jit(lambda c, k, *a: append_paged_kv(c, k, *a, ckv_scale=jnp.float32(0.05)), donate_argnums=(0, 1))
+    before = np.asarray(ckv.astype(jnp.float32))
+    got_c, got_p = step(ckv, kpe, new_c, new_p, b.page_table, b.kv_lens, plan)
+    assert got_c.dtype == FP8_DTYPE and got_p.dtype == jnp.bfloat16
+    got = np.asarray(got_c.astype(jnp.float32))
+    want_rows = np.asarray(quantize_fp8(new_c, 0.05).astype(jnp.float32))
+    table = b.page_table_host
+    src = np.asarray(new_c)
+    t = 0
+    written = np.zeros(got.shape[:2], bool)
+    for r, n in enumerate(qo):
+        for i in range(n):
+            pos = kv[r] - n + i
+            page, off = table[r, pos // 4], pos % 4
+            np.testing.assert_array_equal(got[page, off], want_rows[t])
+            # dequantized: within e4m3's rounding (half of 2^-3 relative; 2^-10 x scale near zero)
+            x, deq = src[t], got[page, off] * 0.05
+            ok = np.isfinite(x) & (np.abs(x) <= 448 * 0.05)
+            assert (np.abs(deq[ok] - x[ok]) <= np.abs(x[ok]) / 16 + 0.05 * 2.0 ** -10).all()
+            written[page, off] = True
+            t += 1
+    assert t == 6
+    assert got[table[0, 7], 0, 0] == 448.0 and got[table[0, 7], 0, 1] == -448.0  # token 0: position 28
+    assert np.isnan(got[table[0, 7], 1, 2])
+    np.testing.assert_array_equal(got[~written], before[~written])  # nothing else changed
+
+
+def test_fp8_append_validates_its_scales(rng):
+    qo, kv = np.array([1]), np.array([5])
+    b = random_paged_batch(rng, qo, kv, num_heads=2, page_size=4, d_ckv=64, d_kpe=16)
+    plan = plan_mla(qo, kv, num_heads=2, page_size=4)
+    ckv = quantize_fp8(b.ckv, 1.0)
+    new_c, new_p = jnp.ones((1, 64)), jnp.ones((1, 16))
+    with pytest.raises(ValueError, match="ckv is float8_e4m3fn: pass ckv_scale"):
+        append_paged_kv(ckv, b.kpe, new_c, new_p, b.page_table, b.kv_lens, plan)
+    with pytest.raises(ValueError, match="kpe_scale is given but kpe is float32"):
+        append_paged_kv(ckv, b.kpe, new_c, new_p, b.page_table, b.kv_lens, plan, ckv_scale=1.0, kpe_scale=1.0)
+
+
+# ---- module and decode loops ---------------------------------------------------------------------
+
+def _tiny_generator(kv_cache_dtype, backend="auto"):
+    pytest.importorskip("flax", reason="jax_mla.nn needs flax")
+    from flax import nnx
+
+    from jax_mla.nn import DeepseekConfig, DeepseekModel, Generator, PagedCacheManager, RopeScaling
+    cfg = DeepseekConfig(hidden_size=64, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32,
+                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, vocab_size=97,
+                         intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
+                         rope_scaling=RopeScaling(factor=4.0, mscale=0.8, mscale_all_dim=0.6,
+                                                  original_max_position_embeddings=64))
+    model = DeepseekModel(cfg, rngs=nnx.Rngs(0))
+    mgr = PagedCacheManager(num_pages=64, page_size=4, max_requests=4, max_pages_per_request=16)
+    return Generator(model, mgr, backend=backend, kv_cache_dtype=kv_cache_dtype, kv_scale=0.02)
+
+
+PROMPTS = [[5, 17, 3, 90, 41], [7, 7, 8, 1, 2, 60, 33, 12, 9], [88, 4, 19]]
+
+
+def test_fp8_generator_cache_layout():
+    gen = _tiny_generator("float8_e4m3fn")
+    for kv in gen.caches:
+        assert kv.ckv.dtype == FP8_DTYPE and kv.kpe.dtype == jnp.bfloat16
+        assert kv.ckv_scale.shape == (1,) and float(kv.ckv_scale[0]) == pytest.approx(0.02)
+        assert kv.kpe_scale is None
+    with pytest.raises(ValueError, match="kv_cache_dtype=int8 is not one of"):
+        _tiny_generator("int8")
+
+
+def test_fp8_decode_loops_agree_and_stay_close_to_bf16():
+    """Both decode loops with an fp8 cache give the same tokens; against a bf16 cache the logits move by
+    e4m3's rounding (reported)."""
+    steps = 6
+    fp8 = _tiny_generator("float8_e4m3fn")
+    _, pre8 = fp8.prefill(PROMPTS, with_logits=True)
+    logits8 = [np.asarray(pre8)] + [np.asarray(x) for x in fp8.decode(steps, with_logits=True)]
+    jitted = _tiny_generator("float8_e4m3fn")
+    jitted.prefill(PROMPTS)
+    jitted.decode_jitted(steps)
+    assert jitted.results() == fp8.results()
+
+    bf16 = _tiny_generator("bfloat16")
+    _, pre16 = bf16.prefill(PROMPTS, with_logits=True)
+    logits16 = [np.asarray(pre16)] + [np.asarray(x) for x in bf16.decode(steps, with_logits=True)]
+    # The prefill logits see the same inputs; a decode step's only while the tokens so far agree.
+    errs = [rel_err(logits8[0], logits16[0])]
+    out8, out16 = fp8.results(), bf16.results()
+    rows = sorted(out8)  # decode rows are in slot order
+    for k in range(steps):
+        same = [i for i, s in enumerate(rows) if out8[s][: k + 1] == out16[s][: k + 1]]
+        if same:
+            errs.append(rel_err(logits8[k + 1][same], logits16[k + 1][same]))
+    agree = np.mean([a == b for s in rows for a, b in zip(out8[s], out16[s])])
+    print(f"fp8 vs bf16 cache: logits rel err max {max(errs):.2e} (prefill {errs[0]:.2e}); "
+          f"greedy tokens agree {agree:.2f}")
+    assert max(errs) < 0.1
+
+
+def test_fp8_decode_with_reference_backend_equals_ffi():
+    needs_ffi()
+    a = _tiny_generator("float8_e4m3fn", backend="ffi")
+    b = _tiny_generator("float8_e4m3fn", backend="reference")
+    for g in (a, b):
+        g.prefill(PROMPTS)
+        g.decode(5)
+    assert a.results() == b.results()

@@ -61,6 +61,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_mla import PlanTarget, default_target, mla_paged_attention, plan_mla  # noqa: E402
+from jax_mla import fp8_scale, mla_paged_attention_reference, quantize_fp8  # noqa: E402
 from jax_mla.arg_specs import Uniform, arg_specs  # noqa: E402
 
 D_CKV, D_KPE = 512, 64
@@ -87,6 +88,10 @@ EXTRA_SHAPES = [_shape(s) for s in arg_specs("extra")]
 # q_len 2 against q_len 1 at the same batch: costs at most this much more.
 Q2_OVER_Q1 = ((128, 4096, 16, 64, 2), (128, 4096, 16, 64, 1), 1.05)
 SWEEP_SHAPES = [_shape(s) for s in arg_specs("planner")]
+FP8 = "float8_e4m3fn"
+# fp8-cache shapes (issue 10) and their targets: ("bf16", x) = at least x times as fast as the bf16
+# cache of the same shape, measured in the same run.
+FP8_SHAPES = [(_shape(s), list(s.targets)) for s in arg_specs("fp8")]
 SWEEP_TARGETS = [  # (units_per_worker, min_chunk, unit_overhead); chunk_align 64
     (1.0, 256, 128),
     (1.0, 128, 0),
@@ -117,20 +122,22 @@ def lengths_of(s, seed=0):
     return qo.astype(np.int64), np.maximum(kv, qo).astype(np.int64)
 
 
-def work_of(s):
+def work_of(s, kv_dtype="bfloat16"):
     b, l, h, ps, q = s
     qo, kv = lengths_of(s)
     seen = int((qo * kv - qo * (qo - 1) // 2).sum())  # causal, aligned to the end
     flops = 2.0 * h * (D_CKV + D_CKV + D_KPE) * seen
-    nbytes = float(kv.sum()) * (D_CKV + D_KPE) * 2
+    ckv_bytes = 1 if kv_dtype == FP8 else 2  # fp8 ckv, bf16 kpe: 640 bytes a key instead of 1152
+    nbytes = float(kv.sum()) * (D_CKV * ckv_bytes + D_KPE * 2)
     return flops, nbytes
 
 
 class Inputs:
     """Random queries (one array per call) and cache copies for one shape."""
 
-    def __init__(self, s, n_calls, seed=0):
+    def __init__(self, s, n_calls, seed=0, kv_dtype="bfloat16"):
         b, l, h, ps, q = s
+        self.kv_dtype = kv_dtype
         rng = np.random.default_rng(seed)
         self.shape = s
         self.qo_lens, self.kv_lens_host = lengths_of(s, seed)
@@ -158,6 +165,13 @@ class Inputs:
                        for i in range(n_calls)]
         self.q_pe = [jax.random.normal(jax.random.fold_in(k_q, 2 * i + 1), (t, h, D_KPE), jnp.bfloat16)
                      for i in range(n_calls)]
+        # fp8: the same draws quantized with one scale from the data (the bf16 copy of set 0 kept for
+        # the error against the unquantized cache)
+        self.ckv_scale = None
+        self.ckv_bf16 = self.ckv[0]
+        if kv_dtype == FP8:
+            self.ckv_scale = fp8_scale(self.ckv[0])
+            self.ckv = [quantize_fp8(c, self.ckv_scale) for c in self.ckv]
         jax.block_until_ready((self.ckv, self.kpe, self.q_nope, self.q_pe))
 
     @property
@@ -182,15 +196,15 @@ def _wall_median(f, args, reps):
 @functools.lru_cache(maxsize=None)
 def _chain(n, n_sets):
     """n calls of the op, each on its own queries (so XLA cannot merge equal calls)."""
-    def f(qn, qp, ckv, kpe, pt, kvl, plan):
+    def f(qn, qp, ckv, kpe, pt, kvl, plan, ckv_scale):
         return [mla_paged_attention(qn[k], qp[k], ckv[k % n_sets], kpe[k % n_sets], pt, kvl, plan,
-                                    sm_scale=SCALE, backend="ffi") for k in range(n)]
+                                    sm_scale=SCALE, backend="ffi", ckv_scale=ckv_scale) for k in range(n)]
     return jax.jit(f)
 
 
 def _chain_args(inp: Inputs, plan, k):
     """Arguments of _chain(k, inp.n_sets): the first k query arrays, every cache copy."""
-    return (inp.q_nope[:k], inp.q_pe[:k], inp.ckv, inp.kpe, inp.page_table, inp.kv_lens, plan)
+    return (inp.q_nope[:k], inp.q_pe[:k], inp.ckv, inp.kpe, inp.page_table, inp.kv_lens, plan, inp.ckv_scale)
 
 
 def time_ours(inp: Inputs, plan, k1, k2, reps=9):
@@ -253,7 +267,7 @@ def device_time_ours(inp: Inputs, plan, k, reps=7):
 def ours_output(inp: Inputs, plan):
     """One call on the first queries and cache copy (the chain of one: compiled once per shape)."""
     return _chain(1, 1)(inp.q_nope[:1], inp.q_pe[:1], inp.ckv[:1], inp.kpe[:1], inp.page_table, inp.kv_lens,
-                        plan)[0]
+                        plan, inp.ckv_scale)[0]
 
 
 # ---- peers (torch) ---------------------------------------------------------------------
@@ -411,6 +425,20 @@ class FlashMLAPeer:
 
 # ---- driver ------------------------------------------------------------------------------
 
+def fp8_errors(inp: Inputs, plan, ours):
+    """An fp8 run's relative errors: against the float32 reference on the dequantized cache (what the
+    kernel adds), and against our op on the unquantized bf16 cache it was made from (what fp8 costs)."""
+    f32 = jnp.float32
+    args = (inp.q_nope[0], inp.q_pe[0])
+    ref = mla_paged_attention_reference(*(a.astype(f32) for a in args), inp.ckv[0].astype(f32) * inp.ckv_scale,
+                                        inp.kpe[0].astype(f32), inp.page_table, inp.kv_lens, plan, sm_scale=SCALE)
+    bf16 = mla_paged_attention(*args, inp.ckv_bf16, inp.kpe[0], inp.page_table, inp.kv_lens, plan, sm_scale=SCALE,
+                               backend="ffi")
+    rel = lambda a, b: float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+    return dict(rel_err_vs_dequantized_ref=rel(ours, np.asarray(ref)),
+                rel_err_vs_bf16_cache=rel(ours, np.asarray(bf16.astype(f32))))
+
+
 def calls_for(s, copy_bps):
     _, nbytes = work_of(s)
     est = nbytes / (0.7 * copy_bps) + 8e-6
@@ -418,12 +446,13 @@ def calls_for(s, copy_bps):
     return max(2, k2 // 4), k2
 
 
-def bench_shape(s, peers, copy_bps, sweep_targets=None):
+def bench_shape(s, peers, copy_bps, sweep_targets=None, kv_dtype="bfloat16"):
     k1, k2 = calls_for(s, copy_bps)
-    inp = Inputs(s, k2)
-    flops, nbytes = work_of(s)
+    inp = Inputs(s, k2, kv_dtype=kv_dtype)
+    flops, nbytes = work_of(s, kv_dtype)
     rec = dict(batch=s[0], kv_len=s[1], heads=s[2], page_size=s[3], q_len=s[4], dtype="bfloat16",
-               d_ckv=D_CKV, d_kpe=D_KPE, flops=flops, bytes=nbytes, calls=[k1, k2], cache_sets=inp.n_sets)
+               kv_dtype=kv_dtype, d_ckv=D_CKV, d_kpe=D_KPE, flops=flops, bytes=nbytes, calls=[k1, k2],
+               cache_sets=inp.n_sets)
     plan = inp.plan()
     rec["plan"] = plan.describe()
     rec["ours_wall_us"] = time_ours(inp, plan, k1, k2) * 1e6
@@ -431,6 +460,8 @@ def bench_shape(s, peers, copy_bps, sweep_targets=None):
     rec["ours_timing"] = "device" if dev_s is not None else "wall"
     rec["ours_us"] = dev_s * 1e6 if dev_s is not None else rec["ours_wall_us"]
     ours = np.asarray(ours_output(inp, plan).astype(jnp.float32))
+    if kv_dtype == FP8:
+        rec.update(fp8_errors(inp, plan, ours))
     for name, peer in peers.items():
         why = peer.unsupported(inp) if hasattr(peer, "unsupported") else None
         if why:
@@ -510,6 +541,21 @@ def table(records, copy_bps):
     return "\n".join(lines)
 
 
+def fp8_table(recs):
+    if not recs:
+        return ""
+    lines = ["\n\n| shape, fp8 cache (e4m3 ckv, bf16 kpe) | bf16 us | fp8 us | fp8 / bf16 speed | fp8 TB/s | "
+             "rel err vs dequantized f32 ref | rel err vs bf16 cache | target | met |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in recs:
+        lines.append(f"| {shape_name(shape_of(r))} | {r['bf16_us']:.1f} | {r['ours_us']:.1f} | "
+                     f"{r['speedup_vs_bf16']:.2f}x | {r['bytes'] / r['ours_us'] / 1e6:.2f} | "
+                     f"{r['rel_err_vs_dequantized_ref']:.2e} | {r['rel_err_vs_bf16_cache']:.2e} | "
+                     f"{'; '.join(r['targets']) or '-'} | "
+                     f"{'; '.join('yes' if m else 'NO' for m in r['met']) or '-'} |")
+    return "\n".join(lines)
+
+
 def roofline(records, copy_bps, peak, path):
     try:
         import matplotlib
@@ -550,6 +596,8 @@ def main():
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--fa2", action="store_true", help="also time FlashInfer's fa2 backend")
     ap.add_argument("--flashmla", default=None, help="FlashMLA peer kit directory (built on first use)")
+    ap.add_argument("--fp8-only", action="store_true", help="only the fp8-cache shapes and their bf16 baselines")
+    ap.add_argument("--no-fp8", action="store_true", help="skip the fp8-cache shapes")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -576,7 +624,7 @@ def main():
             except (Exception, SystemExit) as e:  # the kit's build() exits when its sources are missing
                 print(f"flashmla not available: {type(e).__name__}: {e}", flush=True)
 
-    shapes = list(TARGETS) + ([] if args.quick else EXTRA_SHAPES)
+    shapes = [] if args.fp8_only else list(TARGETS) + ([] if args.quick else EXTRA_SHAPES)
     records = []
     for s in shapes:
         t0 = time.time()
@@ -586,6 +634,25 @@ def main():
               f"{rec['ours_wall_us']:.1f}), fa3 {fmt(rec.get('fa3_us'), '.1f')}, "
               f"flashmla {fmt(rec.get('flashmla_us'), '.1f')} ({time.time() - t0:.0f} s) {rec['plan']}",
               flush=True)
+
+    fp8_records = []
+    if not args.no_fp8:
+        print("\nfp8 cache (e4m3 ckv, bf16 kpe) against the bf16 cache of the same shape:", flush=True)
+        for s, targets in FP8_SHAPES:
+            base = next((r for r in records if shape_of(r) == s), None)
+            if base is None:
+                base = bench_shape(s, {}, copy_bps)
+                records.append(base)
+            rec = bench_shape(s, {}, copy_bps, kv_dtype=FP8)
+            rec["bf16_us"] = base["ours_us"]
+            rec["speedup_vs_bf16"] = base["ours_us"] / rec["ours_us"]
+            rec["targets"] = [f">= {b:g}x bf16" for _, b in targets]
+            rec["met"] = [rec["speedup_vs_bf16"] >= b for _, b in targets]
+            fp8_records.append(rec)
+            print(f"{shape_name(s)} fp8: {rec['ours_us']:.1f} us vs bf16 {base['ours_us']:.1f} us "
+                  f"({rec['speedup_vs_bf16']:.2f}x), {rec['bytes'] / rec['ours_us'] / 1e6:.2f} TB/s; rel err vs "
+                  f"dequantized f32 ref {rec['rel_err_vs_dequantized_ref']:.2e}, vs bf16 cache "
+                  f"{rec['rel_err_vs_bf16_cache']:.2e}", flush=True)
 
     sweep = []
     if args.sweep:
@@ -597,7 +664,7 @@ def main():
             sweep.append(rec)
             print(f"| {shape_name(s)} | " + " | ".join(f"{x['us']:.1f}" for x in rec["sweep"]) + " |", flush=True)
 
-    md = table(records, copy_bps)
+    md = table(records, copy_bps) + fp8_table(fp8_records)
     meta = dict(device=dev.device_kind, jax=jax.__version__, copy_ceiling_GBps=copy_bps / 1e9,
                 matmul_TFLOPs=peak / 1e12 if peak else None, default_target=str(default_target()),
                 flashinfer=peers["fa3"].version if "fa3" in peers else None,
@@ -609,7 +676,7 @@ def main():
                        "jits, wall clock, median of 9; flashinfer and flashmla: CUDA graph of K calls, events, median "
                        "of 9; copy: 1 GiB D2D, events")
     with open(os.path.join(args.out, "h200.json"), "w") as f:
-        json.dump(dict(meta=meta, records=records, sweep=sweep), f, indent=1)
+        json.dump(dict(meta=meta, records=records, fp8=fp8_records, sweep=sweep), f, indent=1)
     with open(os.path.join(args.out, "bench.md"), "w") as f:
         f.write(md + "\n")
     roofline(records, copy_bps, peak, os.path.join(args.out, "roofline.png"))

@@ -8,7 +8,8 @@ Tags:
   ``timing``   shapes the standalone CUDA driver times (``tools/sanitize_harness``);
   ``profile``  shapes the driver runs under ncu (``scripts/gpu_profile.sh``);
   ``sweep``    the CUDA correctness sweep (``tests/test_arg_specs.py``, marked ``gpu``);
-  ``small``    the short correctness set: compute-sanitizer's cases, and run on every backend in CI.
+  ``small``    the short correctness set: compute-sanitizer's cases, and run on every backend in CI;
+  ``fp8``      fp8-cache benchmark shapes, timed beside the bf16 cache of the same shape.
 
 A length is an int (every request), a tuple (one per request) or a `Uniform` draw per request.
 """
@@ -50,6 +51,7 @@ class ArgSpec:
     device_kv_lens: tuple | None = None  # what the device sees, below the planned lengths
     bad_pages: bool = False    # two page ids outside the cache inside the kv range
     split: bool = False        # plan for many small units (`split_target`): splits and merges everywhere
+    kv_dtype: str | None = None  # the latent cache's dtype when not `dtype`: "float8_e4m3fn" (kpe stays dtype)
     tags: frozenset = frozenset()
     # Benchmark targets: ("peer", x) ours >= x times as fast as the fastest peer; ("TB/s", x),
     # ("TFLOP/s", x) floors; ("us", x) a ceiling.
@@ -86,19 +88,22 @@ class ArgSpec:
                              " devkv" if self.device_kv_lens is not None else "",
                              " badpages" if self.bad_pages else "", " split" if self.split else ""])
         lead = f"{self.batch}x" if self.batch is not None else ""
+        kv = f" kv:{self.kv_dtype}" if self.kv_dtype else ""
         return (f"{lead}{s(self.kv_lens)} h{self.heads} ps{self.page_size} q{s(self.q_lens)} "
-                f"{self.dtype}{irregular}")
+                f"{self.dtype}{kv}{irregular}")
 
     def plan_target(self):
         """`split_target()` when the spec asks for splits, else None (the op's default target)."""
         return split_target() if self.split else None
 
     def build(self, rng: np.random.Generator, *, d_ckv: int = 512, d_kpe: int = 64):
-        """(batch, plan, page_table, device kv_lens): random inputs of this spec and its plan; the page
-        table and device lengths carry the spec's irregularities."""
+        """(batch, plan, page_table, device kv_lens, cache scales): random inputs of this spec and its
+        plan; the page table and device lengths carry the spec's irregularities; an fp8 spec's
+        batch.ckv is quantized (scale from its data) and the scales are the op's keyword arguments."""
         import jax.numpy as jnp
 
         from .planner import plan_mla
+        from .quant import fp8_scale, quantize_fp8
         from .testing import random_paged_batch
 
         qo, kv = self.lengths()
@@ -114,7 +119,11 @@ class ArgSpec:
             host[-1, 0] = batch.ckv.shape[0] + 7
             table = jnp.asarray(host)
         kv_dev = batch.kv_lens if self.device_kv_lens is None else jnp.asarray(self.device_kv_lens, jnp.int32)
-        return batch, plan, table, kv_dev
+        scales = {}
+        if self.kv_dtype is not None and jnp.dtype(self.kv_dtype) == jnp.float8_e4m3fn:
+            scales["ckv_scale"] = fp8_scale(batch.ckv)
+            batch.ckv = quantize_fp8(batch.ckv, scales["ckv_scale"])
+        return batch, plan, table, kv_dev, scales
 
 
 def split_target():
@@ -172,6 +181,11 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # the wide body with odd block counts
     ArgSpec(32, 16, (2, 1, 2, 1), (333, 190, 64, 2), dtype="float16", padding=1, bad_pages=True, split=True,
             tags=_tags("small", "sweep")),
+    # the fp8 cache (e4m3 ckv, kpe in the query dtype): narrow and wide units, splits, bad pages
+    ArgSpec(16, 16, (1, 4, 0, 2), (700, 90, 0, 33), kv_dtype="float8_e4m3fn", padding=1, split=True,
+            tags=_tags("small", "sweep")),
+    ArgSpec(64, 1, (1, 1, 2), (260, 31, 77), dtype="float16", kv_dtype="float8_e4m3fn", bad_pages=True,
+            split=True, tags=_tags("small", "sweep")),
     # ---- ... and the rest of the CUDA sweep: long ranges (many trips round the key ring) on the
     # default plan, two head blocks of unequal size, odd head counts, one head with 64-token tiles
     ArgSpec(16, 16, 1, (20000, 3000, 129), tags=_tags("sweep")),
@@ -183,6 +197,15 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(8, 2, (8, 5, 1), (400, 5, 1000), dtype="float16", device_kv_lens=(404, 3, 0), split=True,
             tags=_tags("sweep")),
     ArgSpec(16, 64, 4, (2048, 1000, 64), dtype="float32", tags=_tags("sweep")),
+    ArgSpec(128, 64, 1, (9000, 2500), kv_dtype="float8_e4m3fn", tags=_tags("sweep")),
+    ArgSpec(16, 16, 1, (20000, 3000, 129), kv_dtype="float8_e4m3fn", tags=_tags("sweep")),
+    # ---- fp8 cache benchmark shapes (issue 10): against bf16 of the same shape in the same run
+    ArgSpec(16, 64, 1, 4096, batch=128, kv_dtype="float8_e4m3fn", tags=_tags("fp8"),
+            targets=(("bf16", 1.7),)),
+    ArgSpec(128, 64, 1, 4096, batch=128, kv_dtype="float8_e4m3fn", tags=_tags("fp8"),
+            targets=(("bf16", 1.0),)),
+    ArgSpec(16, 64, 1, Uniform(1, 8192, 11), batch=256, kv_dtype="float8_e4m3fn", tags=_tags("fp8")),
+    ArgSpec(16, 64, 1, 131072, batch=1, kv_dtype="float8_e4m3fn", tags=_tags("fp8")),
 )
 
 

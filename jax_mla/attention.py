@@ -21,8 +21,9 @@ BACKENDS = ("auto", "ffi", "reference")
 # Head dims the CUDA kernels are compiled for (ffi/cuda). Other dims use the
 # CPU handler on CPU and the reference on GPU.
 CUDA_DIMS = ((512, 64),)
-# Cache dtypes the CUDA kernels read (the CPU handler reads all of the op's, fp8 included).
-CUDA_CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+# Cache dtypes the CUDA kernels read (fp8 with bf16 / fp16 queries: ffi/cuda/mla_fp8.cuh).
+CUDA_CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32),
+                     jnp.dtype(jnp.float8_e4m3fn))
 
 
 @functools.lru_cache(maxsize=None)

@@ -80,11 +80,13 @@ def test_fp8_op_matches_reference_on_dequantized_cache(rng, page_size, qdtype):
     out, lse = jax.jit(lambda *a: mla_paged_attention(*a, sm_scale=SCALE, return_lse=True, backend="ffi",
                                                       **scales))(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan)
     ref, ref_lse = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
-    assert rel_err(out, ref) < 3e-3
+    err = rel_err(out, ref)
+    assert err < 3e-3, err
     empty = np.isneginf(np.asarray(ref_lse))
     assert empty.any() and (np.asarray(out.astype(jnp.float32))[empty] == 0).all()
     assert (np.isneginf(np.asarray(lse)) == empty).all()
-    np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], atol=2e-3)
+    # (the scores carry the rope queries' rescale by 1 / ckv_scale, rounded to the query type: mla_fp8.cuh)
+    np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], atol=5e-3)
 
 
 @pytest.mark.parametrize("heads", [1, 16, 128])
@@ -278,6 +280,8 @@ def test_fp8_decode_loops_agree_and_stay_close_to_bf16():
 
 def test_fp8_decode_with_reference_backend_equals_ffi():
     needs_ffi()
+    if jax.default_backend() != "cpu":
+        pytest.skip("the tiny model's head dims (32, 8) have no CUDA kernel")
     a = _tiny_generator("float8_e4m3fn", backend="ffi")
     b = _tiny_generator("float8_e4m3fn", backend="reference")
     for g in (a, b):

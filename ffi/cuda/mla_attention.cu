@@ -61,13 +61,16 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
     return bad("ckv_scale and kpe_scale must hold one float32 each");
   }
   const ffi::DataType dt = q_nope.element_type();
-  if (ckv.element_type() == ffi::DataType::F8E4M3FN || kpe.element_type() == ffi::DataType::F8E4M3FN) {
-    // (jax_mla.mla_paged_attention sends fp8 caches on GPUs to the reference instead.)
-    return bad("these CUDA kernels read bfloat16, float16 and float32 caches, not float8_e4m3fn");
+  if (q_pe.element_type() != dt || out->element_type() != dt) return bad("q_nope, q_pe and out must share one dtype");
+  // The cache: the queries' dtype, or an fp8 ckv (kpe fp8 or the queries' dtype) with bf16 / fp16 queries.
+  const bool ckv_fp8 = ckv.element_type() == ffi::DataType::F8E4M3FN;
+  const bool kpe_fp8 = kpe.element_type() == ffi::DataType::F8E4M3FN;
+  if ((!ckv_fp8 && ckv.element_type() != dt) || (!kpe_fp8 && kpe.element_type() != dt) || (kpe_fp8 && !ckv_fp8)) {
+    return bad("ckv and kpe must have q_nope's dtype, or be float8_e4m3fn (ckv, or both)");
   }
-  if (q_pe.element_type() != dt || ckv.element_type() != dt || kpe.element_type() != dt ||
-      out->element_type() != dt) {
-    return bad("q_nope, q_pe, ckv, kpe and out must share one dtype");
+  const int cache = !ckv_fp8 ? kCacheAsQuery : kpe_fp8 ? kCacheFp8CkvKpe : kCacheFp8Ckv;
+  if (cache != kCacheAsQuery && dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) {
+    return bad("an fp8 cache takes bfloat16 or float16 queries");
   }
   if (ps < 1 || ps > kMaxPageSize || (ps & (ps - 1)) != 0) {
     return bad("page_size " + std::to_string(ps) + " is not a power of two <= " + std::to_string(kMaxPageSize));
@@ -88,6 +91,8 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
   p.kv_lens = kv_lens.typed_data();
   p.work = work.typed_data();
   p.merge = merge.typed_data();
+  p.ckv_scale = ckv_scale.typed_data();
+  p.kpe_scale = kpe_scale.typed_data();
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
   p.partial_o = partial_o->typed_data();
@@ -119,10 +124,14 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
   cudaError_t err;
   switch (dt) {
     case ffi::DataType::BF16:
-      err = launch<__nv_bfloat16>(p, stream, merge_grid);
+      err = cache == kCacheFp8Ckv      ? launch<__nv_bfloat16, kCacheFp8Ckv>(p, stream, merge_grid)
+            : cache == kCacheFp8CkvKpe ? launch<__nv_bfloat16, kCacheFp8CkvKpe>(p, stream, merge_grid)
+                                       : launch<__nv_bfloat16>(p, stream, merge_grid);
       break;
     case ffi::DataType::F16:
-      err = launch<__half>(p, stream, merge_grid);
+      err = cache == kCacheFp8Ckv      ? launch<__half, kCacheFp8Ckv>(p, stream, merge_grid)
+            : cache == kCacheFp8CkvKpe ? launch<__half, kCacheFp8CkvKpe>(p, stream, merge_grid)
+                                       : launch<__half>(p, stream, merge_grid);
       break;
     case ffi::DataType::F32:
       err = launch<float>(p, stream, merge_grid);

@@ -29,6 +29,7 @@
 #pragma once
 
 #include "mla_common.cuh"
+#include "mla_fp8.cuh"
 #include "mla_narrow_kernel.cuh"
 
 namespace jax_mla {
@@ -79,8 +80,9 @@ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 constexpr int kAttentionSmemBytes = cmax(cmax(Tile32::BYTES, Tile64::BYTES), NarrowShape64x3::BYTES);
 static_assert(kAttentionSmemBytes <= 227 * 1024, "one block per SM must fit");
 
-template <typename T, typename Shape>
+template <typename T, typename Shape, int kCache = kCacheAsQuery>
 __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int h0, int hb, char* smem) {
+  using F = CacheFormat<kCache>;
   constexpr int MT = Shape::MT, BK = Shape::BK, STAGES = Shape::STAGES, MP = Shape::MP;
   constexpr int KG = Shape::KG, KW = Shape::KW, NT = Shape::NT, PASSES = Shape::PASSES;
 
@@ -101,8 +103,10 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
 
   const T* q_nope = static_cast<const T*>(p.q_nope);
   const T* q_pe = static_cast<const T*>(p.q_pe);
-  const T* ckv = static_cast<const T*>(p.ckv);
-  const T* kpe = static_cast<const T*>(p.kpe);
+  const char* ckv = static_cast<const char*>(p.ckv);
+  const char* kpe = static_cast<const char*>(p.kpe);
+  const CacheScales scales = cache_scales<kCache>(p);
+  const float scale_log2 = p.scale_log2 * scales.score;
 
   // ---- queries: rows r = (token r / hb, head h0 + r % hb); padding rows zero ----
   for (int idx = tid; idx < MP * kChunksPerKey; idx += kThreads) {
@@ -148,14 +152,9 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
       const int page = pages[kl];
       const bool ok = key < u.range_end && page >= 0 && page < p.num_pages;
       const size_t slot = ok ? (size_t)page * p.page_size + (key & (p.page_size - 1)) : 0;
-      const T* src_c = ckv + slot * kDimCkv;
-      const T* src_r = kpe + slot * kDimKpe;
-      const int bytes = ok ? 16 : 0;
       const uint32_t dst = s_kv + stage * Shape::STAGE_BYTES;
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        cp_async16(dst + Shape::chunk_offset(kl, sub + 8 * i), src_c + (sub + 8 * i) * 8, bytes);
-      cp_async16(dst + Shape::chunk_offset(kl, 64 + sub), src_r + sub * 8, bytes);
+      gather_key_row<kCache>([&](int c) { return dst + Shape::chunk_offset(kl, c); }, ckv + slot * F::kCkvBytes,
+                             kpe + slot * F::kKpeBytes, sub, ok ? 16 : 0);
       if (sub == 0) key_ok[stage * BK + kl] = ok;
     }
   };
@@ -166,6 +165,8 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
   cp_async_commit();
   cp_async_wait<0>();
   __syncthreads();
+  scale_rope_queries<T, kCache>([&](int r, int c) { return s_q + Shape::chunk_offset(r, c); }, MP,
+                                scales.rope_query);
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < num_blocks) issue_block(s);
@@ -219,6 +220,7 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
     const int stage = blk % STAGES;
     const uint32_t s_k = s_kv + stage * Shape::STAGE_BYTES;
     const int key0 = kv_begin + blk * BK;
+    expand_fp8_stage<T, kCache, BK>([&](int key, int c) { return s_k + Shape::chunk_offset(key, c); });
 
     // ---- S = Q K^T for this warp's rows and keys ----
     float sc[NT][4];
@@ -268,7 +270,7 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
         for (int e = 0; e < 4; ++e) {
           const int kl = kg * KW + nt * 8 + 2 * t4 + (e & 1);
           const bool vis = key_ok[stage * BK + kl] != 0 && key0 + kl < row_limit[e >> 1];
-          sc[nt][e] = vis ? sc[nt][e] * p.scale_log2 : -INFINITY;
+          sc[nt][e] = vis ? sc[nt][e] * scale_log2 : -INFINITY;
           mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
         }
       }
@@ -373,7 +375,8 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
       float l = 0.f;
 #pragma unroll
       for (int k = 0; k < KG; ++k) l += red_sum[k * MP + r];
-      const float inv = l != 0.f ? 1.f / l : 0.f;  // l = 0: no key, zeros; NaN l (a NaN score) stays NaN
+      // l = 0: no key, zeros; NaN l (a NaN score) stays NaN. An fp8 cache's scale enters here (mla_fp8.cuh).
+      const float inv = l != 0.f ? scales.out / l : 0.f;
       const float lse = l != 0.f ? (m_final[r] + __log2f(l)) * kLn2 : -INFINITY;
       const int i = r / hb, h = h0 + r % hb;
       const int col0 = warp * 64 + 2 * t4;
@@ -394,9 +397,20 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
   }
 }
 
+// A unit of more than 16 rows on the portable body (the unit finished): 32- or 64-row tiles.
+template <typename T, int kCache>
+__device__ __forceinline__ void attend_unit_wide_portable(const Problem& p, const Unit& u, int h0, int hb,
+                                                          char* smem) {
+  if (u.q_len * hb <= 32) {
+    attend_unit<T, Tile32, kCache>(p, u, h0, hb, smem);
+  } else {
+    attend_unit<T, Tile64, kCache>(p, u, h0, hb, smem);
+  }
+}
+
 // grid.x = W * head_blocks (the head blocks of one unit are neighbours, so they
 // run together and the second one finds the keys in L2); 256 threads.
-template <typename T>
+template <typename T, int kCache = kCacheAsQuery>
 __global__ void __launch_bounds__(kThreads, 1) mla_attention_kernel(const Problem p) {
   extern __shared__ __align__(16) char smem[];
   allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
@@ -409,15 +423,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_attention_kernel(const Proble
   const int rows = u.q_len * hb;
   if (rows > kRowsPerTile) return;  // cannot happen with q_len <= q_tile; keeps tiles in bounds
   if (rows <= 16) {
-    attend_unit_narrow<T, NarrowShape64x3>(p, u, h0, hb, smem);  // finishes the unit after its first loads
+    attend_unit_narrow<T, NarrowShape64x3, kCache>(p, u, h0, hb, smem);  // finishes the unit after its first loads
     return;
   }
   finish_unit(p, u);
-  if (rows <= 32) {
-    attend_unit<T, Tile32>(p, u, h0, hb, smem);
-  } else {
-    attend_unit<T, Tile64>(p, u, h0, hb, smem);
-  }
+  attend_unit_wide_portable<T, kCache>(p, u, h0, hb, smem);
 }
 
 }  // namespace cuda

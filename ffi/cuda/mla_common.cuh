@@ -31,12 +31,14 @@ constexpr float kLn2 = 0.6931471805599453f;
 struct Problem {
   const void* q_nope;      // [T, H, 512]
   const void* q_pe;        // [T, H, 64]
-  const void* ckv;         // [P, ps, 512]
-  const void* kpe;         // [P, ps, 64]
+  const void* ckv;         // [P, ps, 512], the query dtype or fp8 (mla_fp8.cuh)
+  const void* kpe;         // [P, ps, 64], likewise
   const int32_t* page_table;  // [R, max_pages]
   const int32_t* kv_lens;     // [num_kv_lens]
   const int32_t* work;        // [W, kWorkCols]
   const int32_t* merge;       // [M, kMergeCols]
+  const float* ckv_scale;     // [1]: an fp8 ckv's value = fp8 x scale (read only for fp8 caches)
+  const float* kpe_scale;     // [1]
   void* out;                  // [T, H, 512] in the query dtype
   float* lse;                 // [T, H]
   float* partial_o;           // [Pp, H, 512]

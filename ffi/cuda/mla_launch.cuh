@@ -85,24 +85,26 @@ inline cudaError_t raise_smem_limit(std::atomic<int> (&cache)[kMaxDevices], Kern
   return err;
 }
 
-// The attention kernel: one block per work unit and head block.
-template <typename T>
+// The attention kernel: one block per work unit and head block. kCache: how the
+// cache is stored (mla_fp8.cuh; fp8 only with bf16 / fp16 queries).
+template <typename T, int kCache = kCacheAsQuery>
 inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
   const int blocks = p.num_work * p.head_blocks;
   if (blocks <= 0) return cudaSuccess;
   if constexpr (std::is_same_v<T, float>) {
+    static_assert(kCache == kCacheAsQuery, "fp8 caches take bf16 / fp16 queries");
     mla_attention_f32_kernel<<<blocks, kThreads, 0, stream>>>(p);
   } else {
     if (use_sm90_kernel()) {
       static std::atomic<int> raised[kMaxDevices] = {};
-      const cudaError_t err = raise_smem_limit(raised, mla_attention_sm90_kernel<T>, kSm90SmemBytes);
+      const cudaError_t err = raise_smem_limit(raised, mla_attention_sm90_kernel<T, kCache>, kSm90SmemBytes);
       if (err != cudaSuccess) return err;
-      mla_attention_sm90_kernel<T><<<blocks, WideSm90::kThreads, kSm90SmemBytes, stream>>>(p);
+      mla_attention_sm90_kernel<T, kCache><<<blocks, WideSm90::kThreads, kSm90SmemBytes, stream>>>(p);
     } else {
       static std::atomic<int> raised[kMaxDevices] = {};
-      const cudaError_t err = raise_smem_limit(raised, mla_attention_kernel<T>, kAttentionSmemBytes);
+      const cudaError_t err = raise_smem_limit(raised, mla_attention_kernel<T, kCache>, kAttentionSmemBytes);
       if (err != cudaSuccess) return err;
-      mla_attention_kernel<T><<<blocks, kThreads, kAttentionSmemBytes, stream>>>(p);
+      mla_attention_kernel<T, kCache><<<blocks, kThreads, kAttentionSmemBytes, stream>>>(p);
     }
   }
   return cudaGetLastError();
@@ -128,9 +130,9 @@ inline cudaError_t launch_merge(const Problem& p, cudaStream_t stream, int merge
 }
 
 // The op: attention, then merge. Enqueues only: no sync, no alloc.
-template <typename T>
+template <typename T, int kCache = kCacheAsQuery>
 inline cudaError_t launch(const Problem& p, cudaStream_t stream, int merge_grid) {
-  const cudaError_t err = launch_attention<T>(p, stream);
+  const cudaError_t err = launch_attention<T, kCache>(p, stream);
   if (err != cudaSuccess) return err;
   return launch_merge<T>(p, stream, merge_grid);
 }

@@ -21,6 +21,7 @@
 #pragma once
 
 #include "mla_common.cuh"
+#include "mla_fp8.cuh"
 
 namespace jax_mla {
 namespace cuda {
@@ -73,8 +74,9 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return (uint32_t)(row * kNarrowRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
-template <typename T, typename Shape>
+template <typename T, typename Shape, int kCache = kCacheAsQuery>
 __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int h0, int hb, char* smem) {
+  using F = CacheFormat<kCache>;
   constexpr int BK = Shape::BK, STAGES = Shape::STAGES, DS = Shape::DS, KSTEPS = Shape::KSTEPS;
   constexpr int KPL = Shape::KPL, PASSES = Shape::PASSES;
 
@@ -94,8 +96,10 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
 
   const T* q_nope = static_cast<const T*>(p.q_nope);
   const T* q_pe = static_cast<const T*>(p.q_pe);
-  const T* ckv = static_cast<const T*>(p.ckv);
-  const T* kpe = static_cast<const T*>(p.kpe);
+  const char* ckv = static_cast<const char*>(p.ckv);
+  const char* kpe = static_cast<const char*>(p.kpe);
+  const CacheScales scales = cache_scales<kCache>(p);
+  const float scale_log2 = p.scale_log2 * scales.score;
 
   // ---- queries, staged (rows r = (token r / hb, head h0 + r % hb); padding rows zero) ----
   for (int idx = tid; idx < Shape::ROWS * kChunksPerKey; idx += kThreads) {
@@ -137,14 +141,10 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
       const int page = pages[kl];
       const bool ok = key < u.range_end && page >= 0 && page < p.num_pages;
       const size_t slot = ok ? (size_t)page * p.page_size + (key & (p.page_size - 1)) : 0;
-      const T* src_c = ckv + slot * kDimCkv;
-      const T* src_r = kpe + slot * kDimKpe;
-      const int bytes = ok ? 16 : 0;
       const uint32_t dst = s_kv + (stage * BK + kl) * kNarrowRowBytes;
-      const int x = sub ^ (kl & 7);  // swizzled chunk within each group of eight
-#pragma unroll
-      for (int i = 0; i < 8; ++i) cp_async16(dst + ((8 * i + x) << 4), src_c + (sub + 8 * i) * 8, bytes);
-      cp_async16(dst + ((64 + x) << 4), src_r + sub * 8, bytes);
+      const int sw_row = kl & 7;  // swizzled chunk within each group of eight
+      gather_key_row<kCache>([&](int c) { return dst + ((c ^ sw_row) << 4); }, ckv + slot * F::kCkvBytes,
+                             kpe + slot * F::kKpeBytes, sub, ok ? 16 : 0);
       if (sub == 0) key_ok[stage * BK + kl] = ok;
     }
   };
@@ -160,6 +160,7 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   num_blocks = (u.range_end - kv_begin + BK - 1) / BK;
   cp_async_wait<0>();
   __syncthreads();
+  scale_rope_queries<T, kCache>([&](int r, int c) { return s_q + swz(r, c); }, Shape::ROWS, scales.rope_query);
 
   // ---- roles ----
   // S: key group kgrp (keys 16 kgrp .. +16 of the stage), dim slice ds (k16 steps
@@ -215,6 +216,8 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
     const int stage = blk % STAGES;
     const uint32_t s_k = s_kv + stage * BK * kNarrowRowBytes;
     const int key0 = kv_begin + blk * BK;
+    expand_fp8_stage<T, kCache, BK>(
+        [&](int key, int c) { return s_k + key * kNarrowRowBytes + ((c ^ (key & 7)) << 4); });
 
     // ---- partial S over this warp's dim slice; four independent mma chains ----
     {
@@ -269,7 +272,7 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
       for (int kk = 0; kk < KPL; ++kk) {
         const int kl = lane * KPL + kk;
         const bool vis = key_ok[stage * BK + kl] != 0 && key0 + kl < row_limit[rr];
-        s[kk] = vis ? s[kk] * p.scale_log2 : -INFINITY;
+        s[kk] = vis ? s[kk] * scale_log2 : -INFINITY;
         mx = fmaxf(mx, s[kk]);
       }
 #pragma unroll
@@ -347,7 +350,8 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
     const int r = g + 8 * e;
     if (r >= rows) continue;
     const float l = lsum_s[r];
-    const float inv = l != 0.f ? 1.f / l : 0.f;  // l = 0: no key, zeros; NaN l (a NaN score) stays NaN
+    // l = 0: no key, zeros; NaN l (a NaN score) stays NaN. An fp8 cache's scale enters here (mla_fp8.cuh).
+    const float inv = l != 0.f ? scales.out / l : 0.f;
     const float lse = l != 0.f ? (mfin_s[r] + __log2f(l)) * kLn2 : -INFINITY;
     const int i = r / hb, h = h0 + r % hb;
     const int col0 = warp * 64 + 2 * t4;

@@ -47,6 +47,7 @@
 
 #include "mla_common.cuh"
 #include "mla_hopper.cuh"
+#include "mla_attention_kernel.cuh"
 #include "mla_narrow_kernel.cuh"
 
 namespace jax_mla {
@@ -591,13 +592,14 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
 
 // ---- the kernel ----------------------------------------------------------------------
 
-constexpr int kSm90SmemBytes =
-    WideSm90::SMEM_BYTES > NarrowShape64x3::BYTES ? WideSm90::SMEM_BYTES : NarrowShape64x3::BYTES;
+// Room for the wgmma body and for the two bodies it hands units to (narrow; portable wide, fp8 caches).
+constexpr int kSm90SmemBytes = cmax(WideSm90::SMEM_BYTES, kAttentionSmemBytes);
+static_assert(kSm90SmemBytes <= 227 * 1024, "one block per SM must fit");
 
 // grid.x = W * head_blocks (head blocks of one unit are neighbours: the second
 // finds the keys in L2); 384 threads. The register cap of 168 at entry is what
 // lets the warpgroups move registers between them (setmaxnreg).
-template <typename T>
+template <typename T, int kCache = kCacheAsQuery>
 __global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kernel(const Problem p) {
   extern __shared__ __align__(16) char smem[];  // aligned to 1024 below
   allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
@@ -609,44 +611,52 @@ __global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kern
   const int hb = min(kRowsPerTile, p.num_heads - h0);
   const int rows = u.q_len * hb;
   if (rows > kRowsPerTile) return;  // cannot happen with q_len <= q_tile; keeps tiles in bounds
-  if (rows <= 16) {
-    // The narrow body is two warpgroups; the third hands them its registers (the
-    // body wants more than the 168 a thread gets at entry) and leaves.
+  // The narrow body (and, for an fp8 cache, the portable wide body: the wgmma body reads keys as
+  // the queries' type only) are two warpgroups; the third hands them its registers (the bodies want
+  // more than the 168 a thread gets at entry) and leaves.
+  if (rows <= 16 || kCache != kCacheAsQuery) {
     if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
       release_registers<24>();
       return;
     }
     claim_registers<232>();
-    attend_unit_narrow<T, NarrowShape64x3>(p, u, h0, hb, smem);
+    if (rows <= 16) {
+      attend_unit_narrow<T, NarrowShape64x3, kCache>(p, u, h0, hb, smem);
+    } else {
+      finish_unit(p, u);
+      attend_unit_wide_portable<T, kCache>(p, u, h0, hb, smem);
+    }
     return;
   }
 #ifdef JAX_MLA_HAS_WGMMA
-  using W = WideSm90;
-  uint32_t base = smem_addr(smem);
-  base += (1024 - (base & 1023)) & 1023;
-  finish_unit(p, u);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < W::STAGES; ++s)
-      for (int g = 0; g < 3; ++g) {
-        mbar_init(W::full_bar(base, s, g), 128 + (g == W::kRope ? 4 : 0));
-        mbar_init(W::empty_bar(base, s, g), W::empty_count(s, g));
-      }
-    mbar_init(W::query_bar(base), 128);
-    mbar_init(W::a_ready_bar(base), 128);
-    mbar_init(W::b_ready_bar(base), 128);
-    mbar_init_fence();
-  }
-  __syncthreads();
-  const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);  // warp-uniform, as wgmma needs
-  if (wg == 0) {
-    release_registers<40>();
-    wide_producer<T>(p, u, h0, hb, base);
-  } else {
-    claim_registers<232>();
-    if (wg == 1) {
-      wide_consumer<T, 0>(p, u, h0, hb, base);
+  if constexpr (kCache == kCacheAsQuery) {
+    using W = WideSm90;
+    uint32_t base = smem_addr(smem);
+    base += (1024 - (base & 1023)) & 1023;
+    finish_unit(p, u);
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < W::STAGES; ++s)
+        for (int g = 0; g < 3; ++g) {
+          mbar_init(W::full_bar(base, s, g), 128 + (g == W::kRope ? 4 : 0));
+          mbar_init(W::empty_bar(base, s, g), W::empty_count(s, g));
+        }
+      mbar_init(W::query_bar(base), 128);
+      mbar_init(W::a_ready_bar(base), 128);
+      mbar_init(W::b_ready_bar(base), 128);
+      mbar_init_fence();
+    }
+    __syncthreads();
+    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);  // warp-uniform, as wgmma needs
+    if (wg == 0) {
+      release_registers<40>();
+      wide_producer<T>(p, u, h0, hb, base);
     } else {
-      wide_consumer<T, 1>(p, u, h0, hb, base);
+      claim_registers<232>();
+      if (wg == 1) {
+        wide_consumer<T, 0>(p, u, h0, hb, base);
+      } else {
+        wide_consumer<T, 1>(p, u, h0, hb, base);
+      }
     }
   }
 #endif

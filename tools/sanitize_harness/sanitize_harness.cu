@@ -7,6 +7,7 @@
 //   built as the CMake target `sanitize_harness` with JAX_MLA_BUILD_TOOLS=ON
 //   (scripts/gpu_check.sh: build/gpu/sanitize_harness)
 //   sanitize_harness case0.bin [case1.bin ...]   (writes caseN.bin.out)
+//   (fp8 caches: header word 13 the cache kind of mla_fp8.cuh, 14-15 the scales)
 //   sanitize_harness --time timeN.bin ...         (device time per call of the op,
 //        of its attention kernel alone, its merge kernel alone and of an empty
 //        kernel: CUDA graphs of 20 calls on random device data, caches rotated)
@@ -63,13 +64,23 @@ static void* upload_as(const std::vector<float>& v) {
   return upload(c);
 }
 
-template <typename T>
+// fp8 cache values (the case file holds them as floats on the e4m3 grid: converted exactly).
+static void* upload_fp8(const std::vector<float>& v) {
+  std::vector<__nv_fp8_e4m3> c(v.size());
+  for (size_t i = 0; i < v.size(); ++i) c[i] = __nv_fp8_e4m3(v[i]);
+  return upload(c);
+}
+
+template <typename T, int kCache>
 static void run(Problem p, const std::vector<float>& qn, const std::vector<float>& qp, const std::vector<float>& ckv,
-                const std::vector<float>& kpe, const char* out_path) {
+                const std::vector<float>& kpe, float ckv_scale, float kpe_scale, const char* out_path) {
+  using F = CacheFormat<kCache>;
   p.q_nope = upload_as<T>(qn);
   p.q_pe = upload_as<T>(qp);
-  p.ckv = upload_as<T>(ckv);
-  p.kpe = upload_as<T>(kpe);
+  p.ckv = F::kFp8Ckv ? upload_fp8(ckv) : upload_as<T>(ckv);
+  p.kpe = F::kFp8Kpe ? upload_fp8(kpe) : upload_as<T>(kpe);
+  p.ckv_scale = upload(std::vector<float>{ckv_scale});  // own allocations: memcheck sees a 4-byte read
+  p.kpe_scale = upload(std::vector<float>{kpe_scale});
   const size_t n_out = (size_t)p.num_tokens * p.num_heads * kDimCkv, n_lse = (size_t)p.num_tokens * p.num_heads;
   const size_t n_po = (size_t)p.num_partial_rows * p.num_heads * kDimCkv;
   const size_t n_pl = (size_t)p.num_partial_rows * p.num_heads;
@@ -83,7 +94,7 @@ static void run(Problem p, const std::vector<float>& qn, const std::vector<float
   CHECK(cudaMemset(p.partial_lse, 0xff, n_pl * sizeof(float)));
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
-  CHECK(launch<T>(p, stream, 2 * sm_count()));
+  CHECK((launch<T, kCache>(p, stream, 2 * sm_count())));
   CHECK(cudaStreamSynchronize(stream));
   std::vector<T> out(n_out);
   std::vector<float> res(n_out + n_lse);
@@ -93,7 +104,8 @@ static void run(Problem p, const std::vector<float>& qn, const std::vector<float
   FILE* f = std::fopen(out_path, "wb");
   std::fwrite(res.data(), sizeof(float), res.size(), f);
   std::fclose(f);
-  for (const void* ptr : {p.q_nope, p.q_pe, p.ckv, p.kpe}) CHECK(cudaFree(const_cast<void*>(ptr)));
+  for (const void* ptr : {p.q_nope, p.q_pe, p.ckv, p.kpe, (const void*)p.ckv_scale, (const void*)p.kpe_scale})
+    CHECK(cudaFree(const_cast<void*>(ptr)));
   for (void* ptr : {p.out, (void*)p.lse, (void*)p.partial_o, (void*)p.partial_lse}) CHECK(cudaFree(ptr));
   CHECK(cudaStreamDestroy(stream));
 }
@@ -263,10 +275,19 @@ int main(int argc, char** argv) {
       else time_case<__half>(p, argv[a]);
     } else {
       const std::string out_path = std::string(argv[a]) + ".out";
-      if (dtype == 0) run<__nv_bfloat16>(p, qn, qp, ckv, kpe, out_path.c_str());
-      else if (dtype == 1) run<__half>(p, qn, qp, ckv, kpe, out_path.c_str());
-      else run<float>(p, qn, qp, ckv, kpe, out_path.c_str());
-      std::printf("ran %s (dtype %d, T=%d H=%d ps=%d W=%d M=%d)\n", argv[a], dtype, T, H, ps, W, M);
+      // Words 13-15: the cache kind (mla_fp8.cuh) and the fp8 scales' float bits.
+      const int cache = h[13];
+      float ckv_scale = 1.f, kpe_scale = 1.f;
+      std::memcpy(&ckv_scale, &h[14], 4);
+      std::memcpy(&kpe_scale, &h[15], 4);
+      const char* o = out_path.c_str();
+      if (dtype == 0 && cache == kCacheFp8Ckv) run<__nv_bfloat16, kCacheFp8Ckv>(p, qn, qp, ckv, kpe, ckv_scale, kpe_scale, o);
+      else if (dtype == 0 && cache == kCacheFp8CkvKpe) run<__nv_bfloat16, kCacheFp8CkvKpe>(p, qn, qp, ckv, kpe, ckv_scale, kpe_scale, o);
+      else if (dtype == 1 && cache == kCacheFp8Ckv) run<__half, kCacheFp8Ckv>(p, qn, qp, ckv, kpe, ckv_scale, kpe_scale, o);
+      else if (dtype == 0) run<__nv_bfloat16, kCacheAsQuery>(p, qn, qp, ckv, kpe, 1.f, 1.f, o);
+      else if (dtype == 1) run<__half, kCacheAsQuery>(p, qn, qp, ckv, kpe, 1.f, 1.f, o);
+      else run<float, kCacheAsQuery>(p, qn, qp, ckv, kpe, 1.f, 1.f, o);
+      std::printf("ran %s (dtype %d, cache %d, T=%d H=%d ps=%d W=%d M=%d)\n", argv[a], dtype, cache, T, H, ps, W, M);
     }
     for (const int32_t* ptr : {p.page_table, p.kv_lens, p.work, p.merge}) CHECK(cudaFree(const_cast<int32_t*>(ptr)));
   }

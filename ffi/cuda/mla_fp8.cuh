@@ -1,0 +1,181 @@
+// The FP8 (e4m3) latent cache in the kernels: the one place where every body
+// (narrow, portable wide) gathers a key row, turns fp8 into its MMA type and
+// applies the scales.
+//
+// A stage row holds one key as 72 16-byte chunks of the MMA type T (bf16 or
+// fp16): chunks 0-63 the latent (ckv), 64-71 the rope part (kpe). An fp8 row is
+// half as many bytes: it is gathered raw (cp.async, so the ring keeps its
+// depth) into the upper half of the row, NRAW chunks at NRAW .. 2 NRAW - 1
+// (NRAW = 32 ckv chunks, plus the 4 kpe chunks when kpe is fp8 too; a bf16 /
+// fp16 kpe goes straight to chunks 64-71 as before). Once the stage has landed,
+// expand_fp8_stage rewrites the row in place as T: output chunk j is raw bytes
+// 8j .. 8j+7, exactly (every e4m3 value is a bf16 and an fp16 value; NaN stays
+// NaN).
+//
+// The scales stay out of the MMAs, so the keys are not rounded again:
+//   S = s_c (q_nope . c) + s_r (q_pe . r) = s_c (q_nope . c + (s_r / s_c) q_pe . r)
+// The rope queries are multiplied by s_r / s_c once per unit (rope_query_factor,
+// rounded to T: 64 of the 576 dims), s_c joins the softmax scale, and
+// O = s_c (P . c) is applied in the epilogue (CacheScales).
+//
+// Shared-memory traffic per key: raw write 512 B + read 512 B + write 1 KiB on
+// top of the MMAs' reads, which keeps a 16-row decode unit below the SM's
+// shared-memory bandwidth at twice the bf16 key rate.
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include <type_traits>
+
+#include "mla_common.cuh"
+
+namespace jax_mla {
+namespace cuda {
+
+// How the cache is stored: as the queries (T), or fp8 ckv (kpe T or fp8).
+enum CacheKind : int { kCacheAsQuery = 0, kCacheFp8Ckv = 1, kCacheFp8CkvKpe = 2 };
+
+template <int kCache>
+struct CacheFormat {
+  static constexpr bool kFp8Ckv = kCache != kCacheAsQuery;
+  static constexpr bool kFp8Kpe = kCache == kCacheFp8CkvKpe;
+  // Raw fp8 chunks of a row, parked at chunks kRaw .. 2 kRaw - 1 until expanded.
+  static constexpr int kRaw = kFp8Ckv ? (kFp8Kpe ? 36 : 32) : 0;
+  static constexpr int kCkvBytes = kFp8Ckv ? kDimCkv : 2 * kDimCkv;  // bytes of one cached key
+  static constexpr int kKpeBytes = kFp8Kpe ? kDimKpe : 2 * kDimKpe;
+};
+
+// Issues thread `sub` (0-7)'s share of the cp.async gather of one key row (8
+// threads per key). `chunk(c)` is the shared address of chunk c of the row in
+// the body's layout; `bytes` 0 zero-fills (keys outside the range, bad pages).
+template <int kCache, typename ChunkAddr>
+__device__ __forceinline__ void gather_key_row(ChunkAddr chunk, const char* ckv_row, const char* kpe_row, int sub,
+                                               int bytes) {
+  using F = CacheFormat<kCache>;
+  if constexpr (!F::kFp8Ckv) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) cp_async16(chunk(sub + 8 * i), ckv_row + (sub + 8 * i) * 16, bytes);
+    cp_async16(chunk(64 + sub), kpe_row + sub * 16, bytes);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cp_async16(chunk(F::kRaw + sub + 8 * i), ckv_row + (sub + 8 * i) * 16, bytes);
+    if constexpr (F::kFp8Kpe) {
+      if (sub < 4) cp_async16(chunk(F::kRaw + 32 + sub), kpe_row + sub * 16, bytes);
+    } else {
+      cp_async16(chunk(64 + sub), kpe_row + sub * 16, bytes);
+    }
+  }
+}
+
+// Eight e4m3 values (two words, lowest byte first) as four words of T pairs, exactly.
+template <typename T>
+__device__ __forceinline__ uint4 fp8x8_to(uint2 raw) {
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t word = k < 2 ? raw.x : raw.y;
+    const __nv_fp8x2_storage_t two = (__nv_fp8x2_storage_t)(word >> (16 * (k & 1)));
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
+    if constexpr (std::is_same_v<T, __half>) {
+      w[k] = (uint32_t)h.x | ((uint32_t)h.y << 16);
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+      w[k] = pack2<T>(f.x, f.y);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The factors an fp8 cache's scales put on the scores and the output (1 for other caches).
+struct CacheScales {
+  float score = 1.f;       // multiplies the softmax scale: s_c
+  float out = 1.f;         // multiplies the normalised output: s_c
+  float rope_query = 1.f;  // multiplies q_pe: s_r / s_c
+};
+
+template <int kCache>
+__device__ __forceinline__ CacheScales cache_scales(const Problem& p) {
+  CacheScales s;
+  if constexpr (CacheFormat<kCache>::kFp8Ckv) {
+    const float ckv = __ldg(p.ckv_scale);
+    const float kpe = CacheFormat<kCache>::kFp8Kpe ? __ldg(p.kpe_scale) : 1.f;
+    s.score = ckv;
+    s.out = ckv;
+    s.rope_query = kpe / ckv;
+  }
+  return s;
+}
+
+// Multiplies the rope part (chunks 64-71) of `rows` staged query rows by `factor`, in place,
+// rounded once to T; all 256 threads take part, the call ends with a barrier. No-op for other caches.
+template <typename T, int kCache, typename RowChunkAddr>
+__device__ __forceinline__ void scale_rope_queries(RowChunkAddr chunk, int rows, float factor) {
+  if constexpr (CacheFormat<kCache>::kFp8Ckv) {
+    for (int idx = threadIdx.x; idx < rows * 8; idx += kThreads) {
+      const uint32_t addr = chunk(idx >> 3, 64 + (idx & 7));
+      uint4 v;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+      uint32_t* w = &v.x;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const T* pair = reinterpret_cast<const T*>(&w[k]);
+        w[k] = pack2<T>(static_cast<float>(pair[0]) * factor, static_cast<float>(pair[1]) * factor);
+      }
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                   : "memory");
+    }
+    __syncthreads();
+  }
+}
+
+// Expands the fp8 rows of one landed stage (BK keys) in place to T. Every
+// thread of the block's 256 takes part and the call ends with a barrier, so the
+// stage is ready for ldmatrix when it returns. Output chunks [0, kRaw) are
+// written first: they never overlap the raw chunks. The rest overlap the raw
+// area, so their raw bytes are all read (and the first half's) before a barrier.
+template <typename T, int kCache, int BK, typename RowChunkAddr>
+__device__ __forceinline__ void expand_fp8_stage(RowChunkAddr chunk) {
+  using F = CacheFormat<kCache>;
+  if constexpr (F::kFp8Ckv) {
+    constexpr int N = F::kRaw;
+    constexpr int PER_ROUND = BK * N;  // output chunks per round
+    constexpr int LATE = (PER_ROUND + kThreads - 1) / kThreads;
+    const int tid = threadIdx.x;
+    auto source = [&](int key, int j) {  // raw bytes 8j .. 8j+7 of the row
+      uint2 v;
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                   : "=r"(v.x), "=r"(v.y)
+                   : "r"(chunk(key, N + (j >> 1)) + 8 * (j & 1)));
+      return v;
+    };
+    auto store = [&](int key, int j, uint2 raw) {
+      const uint4 v = fp8x8_to<T>(raw);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(chunk(key, j)), "r"(v.x), "r"(v.y), "r"(v.z),
+                   "r"(v.w)
+                   : "memory");
+    };
+    // Round 1: output chunks 0 .. N-1 (raw chunks N .. N + N/2 - 1).
+#pragma unroll 2
+    for (int idx = tid; idx < PER_ROUND; idx += kThreads) {
+      const int key = idx / N, j = idx - (idx / N) * N;
+      store(key, j, source(key, j));
+    }
+    // Round 2: output chunks N .. 2N-1, over the raw area: read all, barrier, write.
+    uint2 late[LATE];
+#pragma unroll
+    for (int k = 0; k < LATE; ++k) {
+      const int idx = tid + k * kThreads;
+      if (idx < PER_ROUND) late[k] = source(idx / N, N + idx - (idx / N) * N);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < LATE; ++k) {
+      const int idx = tid + k * kThreads;
+      if (idx < PER_ROUND) store(idx / N, N + idx - (idx / N) * N, late[k]);
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace cuda
+}  // namespace jax_mla

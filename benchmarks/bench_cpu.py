@@ -2,8 +2,8 @@
 
     python benchmarks/bench_cpu.py [--dtype bfloat16|float16|float32] [--reps N]
 
-Per shape (requests x kv_len x heads x q_len, d_ckv 512, d_kpe 64, page size 64,
-random page tables, random normal data): each backend is jitted once, warmed up,
+Per shape (the `cpu` shapes of jax_mla/arg_specs.py: requests x kv_len x heads x q_len, d_ckv 512,
+d_kpe 64, page size 64, random page tables, random normal data): each backend is jitted once, warmed up,
 then the two take turns in 3 rounds of N timed calls each (after one untimed
 call), with block_until_ready around each call. The table shows the median wall
 time and the spread (min..max) of the calls, and the output error of the handler
@@ -24,17 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_mla import mla_paged_attention, plan_mla
+from jax_mla.arg_specs import arg_specs
 from jax_mla.testing import random_paged_batch, rel_err
 
-D_CKV, D_KPE, PAGE_SIZE = 512, 64, 64
+D_CKV, D_KPE = 512, 64
 SCALE = 1.0 / math.sqrt(192.0)
-
-# (requests, kv_len, heads, q_len)
-SHAPES = [
-    (8, 4096, 16, 1),
-    (8, 4096, 128, 1),
-    (8, 2048, 16, 4),
-]
+SPECS = arg_specs("cpu")  # the shared shape list (jax_mla/arg_specs.py)
 
 
 def time_calls(fns: dict, args, reps: int, rounds: int = 3) -> dict[str, list[float]]:
@@ -68,15 +63,15 @@ def main() -> None:
     }
     threads = os.environ.get("JAX_MLA_CPU_THREADS", f"all {os.cpu_count()} cores")
     print(f"{jax.devices()[0].device_kind}, {dtype.name}, d_ckv {D_CKV}, d_kpe {D_KPE}, "
-          f"page size {PAGE_SIZE}, handler threads: {threads}, median of 3 x {args.reps} calls (min..max)\n")
-    print("| requests x kv | heads | q_len | ffi ms | reference ms | ffi speed-up | ffi GFLOP/s | rel err |")
-    print("|---|---|---|---|---|---|---|---|")
-    for requests, kv_len, heads, q_len in SHAPES:
-        qo_lens = np.full(requests, q_len)
-        kv_lens = np.full(requests, kv_len)
-        batch = random_paged_batch(rng, qo_lens, kv_lens, num_heads=heads, page_size=PAGE_SIZE,
+          f"handler threads: {threads}, median of 3 x {args.reps} calls (min..max)\n")
+    print("| requests x kv | heads | q_len | page | ffi ms | reference ms | ffi speed-up | ffi GFLOP/s | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for spec in SPECS:
+        qo_lens, kv_lens = spec.lengths()
+        requests, kv_len, q_len, heads = len(qo_lens), int(kv_lens[0]), int(qo_lens[0]), spec.heads
+        batch = random_paged_batch(rng, qo_lens, kv_lens, num_heads=heads, page_size=spec.page_size,
                                    d_ckv=D_CKV, d_kpe=D_KPE, dtype=dtype)
-        plan = plan_mla(qo_lens, kv_lens, num_heads=heads, page_size=PAGE_SIZE,
+        plan = plan_mla(qo_lens, kv_lens, num_heads=heads, page_size=spec.page_size,
                         max_pages_per_request=batch.page_table.shape[1])
         call_args = batch.args(plan)
         err = rel_err(np.asarray(fns["ffi"](*call_args), np.float32),
@@ -88,7 +83,7 @@ def main() -> None:
         flops = 2 * heads * (D_CKV + D_KPE + D_CKV) * seen
         ffi, ref = stats["ffi"], stats["reference"]
         cell = lambda s: f"{1e3 * s[0]:.1f} ({1e3 * s[1]:.1f}..{1e3 * s[2]:.1f})"
-        print(f"| {requests} x {kv_len} | {heads} | {q_len} | {cell(ffi)} | {cell(ref)} | "
+        print(f"| {requests} x {kv_len} | {heads} | {q_len} | {spec.page_size} | {cell(ffi)} | {cell(ref)} | "
               f"{ref[0] / ffi[0]:.2f}x | {flops / ffi[0] / 1e9:.1f} | {err:.1e} |")
 
 

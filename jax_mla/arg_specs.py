@@ -7,6 +7,7 @@ Tags:
   ``planner``  shapes whose planner targets the benchmark's ``--sweep`` compares;
   ``timing``   shapes the standalone CUDA driver times (``tools/sanitize_harness``);
   ``profile``  shapes the driver runs under ncu (``scripts/gpu_profile.sh``);
+  ``cpu``      the CPU handler's benchmark (``benchmarks/bench_cpu.py``);
   ``sweep``    the CUDA correctness sweep (``tests/test_arg_specs.py``, marked ``gpu``);
   ``small``    the short correctness set: compute-sanitizer's cases, and run on every backend in CI;
   ``fp8``      fp8-cache benchmark shapes, timed beside the bf16 cache of the same shape.
@@ -163,6 +164,10 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(16, 64, 1, 8192, batch=8, tags=_tags("planner")),
     ArgSpec(128, 64, 1, 2048, batch=16, tags=_tags("planner")),
     ArgSpec(16, 64, 4, 4096, batch=8, tags=_tags("planner")),
+    # ---- the CPU handler's benchmark (benchmarks/bench_cpu.py): shapes a CPU times in milliseconds
+    ArgSpec(16, 64, 1, 4096, batch=8, tags=_tags("cpu")),
+    ArgSpec(128, 64, 1, 4096, batch=8, tags=_tags("cpu")),
+    ArgSpec(16, 64, 4, 2048, batch=8, tags=_tags("cpu")),
     # ---- kernel profiles (ncu) at benchmark-like shapes
     ArgSpec(16, 64, 1, 1024, batch=128, tags=_tags("profile")),
     ArgSpec(128, 64, 1, 1024, batch=64, tags=_tags("profile")),

@@ -18,9 +18,10 @@
 // rounded to T: 64 of the 576 dims), s_c joins the softmax scale, and
 // O = s_c (P . c) is applied in the epilogue (CacheScales).
 //
-// Shared-memory traffic per key: raw write 512 B + read 512 B + write 1 KiB on
-// top of the MMAs' reads, which keeps a 16-row decode unit below the SM's
-// shared-memory bandwidth at twice the bf16 key rate.
+// Cost: per key a raw write of 512 B, a read of 512 B and a write of 1 KiB of
+// shared memory on top of the MMAs' reads, and the expansion runs in series
+// with the MMAs (two barriers per stage). On the H200 this first version is
+// slower than a bf16 cache (ffi/cuda/NOTES.md, "FP8 cache").
 #pragma once
 
 #include <cuda_fp8.h>

@@ -97,27 +97,7 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
   p.lse = lse->typed_data();
   p.partial_o = partial_o->typed_data();
   p.partial_lse = partial_lse->typed_data();
-  p.num_tokens = (int)T;
-  p.num_heads = (int)H;
-  p.num_pages = (int)P;
-  p.page_size = (int)ps;
-  int log2_ps = 0;
-  while ((1 << log2_ps) < ps) ++log2_ps;
-  p.log2_page_size = log2_ps;
-  p.num_requests = (int)std::min<int64_t>(R, INT32_MAX);
-  p.max_pages = (int)std::min<int64_t>(max_pages, INT32_MAX);
-  p.num_kv_lens = (int)std::min<int64_t>(ld[0], INT32_MAX);
-  p.num_work = (int)wd[0];
-  p.num_merge = (int)md[0];
-  p.num_partial_rows = (int)pod[0];
-  p.head_blocks = (int)HeadBlocks(H);
-  p.q_tile = (int)QTile(H);
-  p.capacity = (int)std::min<int64_t>(max_pages * ps, INT32_MAX);
-  p.scale_log2 = sm_scale * kLog2e;
-  if (P == 0 || R == 0 || max_pages == 0) {
-    p.num_requests = 0;  // nothing to read: every unit sees no keys
-    p.capacity = 0;
-  }
+  set_problem_sizes(p, T, H, P, ps, R, max_pages, ld[0], wd[0], md[0], pod[0], sm_scale);
   if ((int64_t)p.num_work * p.head_blocks > INT32_MAX) return bad("too many work units");
 
   static const int merge_grid = 4 * sm_count();  // a few merge blocks per SM (8 KiB smem each)

@@ -60,6 +60,36 @@ struct Problem {
   float scale_log2;           // sm_scale * log2(e): scores live in base 2
 };
 
+// The sizes and derived constants of a Problem, from the operands' shapes: one
+// definition for the FFI handler and the standalone driver. Counts past int32
+// are clamped (the handler refuses the ones it cannot index); an empty cache or
+// page table leaves nothing to read, so every unit sees no keys.
+inline void set_problem_sizes(Problem& p, int64_t num_tokens, int64_t num_heads, int64_t num_pages,
+                              int64_t page_size, int64_t num_requests, int64_t max_pages, int64_t num_kv_lens,
+                              int64_t num_work, int64_t num_merge, int64_t num_partial_rows, float sm_scale) {
+  auto clamp32 = [](int64_t v) { return (int)(v < INT_MAX ? v : INT_MAX); };
+  p.num_tokens = clamp32(num_tokens);
+  p.num_heads = clamp32(num_heads);
+  p.num_pages = clamp32(num_pages);
+  p.page_size = clamp32(page_size);
+  p.log2_page_size = 0;
+  while ((int64_t{1} << p.log2_page_size) < page_size) ++p.log2_page_size;
+  p.num_requests = clamp32(num_requests);
+  p.max_pages = clamp32(max_pages);
+  p.num_kv_lens = clamp32(num_kv_lens);
+  p.num_work = clamp32(num_work);
+  p.num_merge = clamp32(num_merge);
+  p.num_partial_rows = clamp32(num_partial_rows);
+  p.head_blocks = (int)HeadBlocks(num_heads);
+  p.q_tile = (int)QTile(num_heads);
+  p.capacity = clamp32(max_pages * page_size);
+  p.scale_log2 = sm_scale * kLog2e;
+  if (num_pages == 0 || num_requests == 0 || max_pages == 0) {
+    p.num_requests = 0;
+    p.capacity = 0;
+  }
+}
+
 // One work unit, decoded and clipped against the device lengths.
 struct Unit {
   int request;

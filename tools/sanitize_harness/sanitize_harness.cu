@@ -255,21 +255,7 @@ int main(int argc, char** argv) {
     p.kv_lens = upload(kvl);
     p.work = upload(work);
     p.merge = upload(merge);
-    p.num_tokens = T;
-    p.num_heads = H;
-    p.num_pages = P;
-    p.page_size = ps;
-    while ((1 << p.log2_page_size) < ps) ++p.log2_page_size;
-    p.num_requests = R;
-    p.max_pages = maxp;
-    p.num_kv_lens = nkv;
-    p.num_work = W;
-    p.num_merge = M;
-    p.num_partial_rows = Pp;
-    p.head_blocks = (int)jax_mla::HeadBlocks(H);
-    p.q_tile = (int)jax_mla::QTile(H);
-    p.capacity = maxp * ps;
-    p.scale_log2 = scale * kLog2e;
+    set_problem_sizes(p, T, H, P, ps, R, maxp, nkv, W, M, Pp, scale);
     if (timing) {
       if (dtype == 0) time_case<__nv_bfloat16>(p, argv[a]);
       else time_case<__half>(p, argv[a]);

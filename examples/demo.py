@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lens]
     max_len = int(lens.max()) + args.new_tokens
     steps = args.new_tokens - 1  # the prefill samples the first new token
-    runs = resolve_backend(args.backend, cfg.kv_lora_rank, cfg.qk_rope_head_dim, (kv_dtype,))
+    runs = resolve_backend(args.backend, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
     print(f"device: {dev.platform} ({dev.device_kind}); attention backend: {args.backend} -> {runs}"
           + (" (no FFI kernel for this platform and these head dims)" if args.backend == "auto" and runs == "reference"
              else ""))

@@ -21,9 +21,6 @@ BACKENDS = ("auto", "ffi", "reference")
 # Head dims the CUDA kernels are compiled for (ffi/cuda). Other dims use the
 # CPU handler on CPU and the reference on GPU.
 CUDA_DIMS = ((512, 64),)
-# Cache dtypes the CUDA kernels read (fp8 with bf16 / fp16 queries: ffi/cuda/mla_fp8.cuh).
-CUDA_CACHE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32),
-                     jnp.dtype(jnp.float8_e4m3fn))
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,28 +28,23 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def resolve_backend(backend: str, d_ckv: int, d_kpe: int, cache_dtypes=()) -> str:
+def resolve_backend(backend: str, d_ckv: int, d_kpe: int) -> str:
     """What `backend` ('auto', 'ffi' or 'reference') runs as on JAX's default platform for these head
-    dims and cache dtypes: 'ffi' or 'reference'. Raises ValueError for 'ffi' where no kernel is built
-    for them."""
+    dims: 'ffi' or 'reference'. Raises ValueError for 'ffi' where no kernel is built for them."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend == "reference":
         return backend
     platform = jax.default_backend()
     built = _ffi.has_ffi(platform)
-    dims_ok = platform == "cpu" or (d_ckv, d_kpe) in CUDA_DIMS
-    dtypes_ok = platform == "cpu" or all(jnp.dtype(d) in CUDA_CACHE_DTYPES for d in cache_dtypes)
-    ok = built and dims_ok and dtypes_ok
+    ok = built and (platform == "cpu" or (d_ckv, d_kpe) in CUDA_DIMS)
     if not ok:
         why = (_ffi.unavailable_reason(platform) if not built else
-               f"the CUDA kernels are built for (d_ckv, d_kpe) in {CUDA_DIMS}" if not dims_ok else
-               f"the CUDA kernels read caches of {[d.name for d in CUDA_CACHE_DTYPES]}, "
-               f"not {[jnp.dtype(d).name for d in cache_dtypes]}")
+               f"the CUDA kernels are built for (d_ckv, d_kpe) in {CUDA_DIMS}")
         if backend == "ffi":
             raise ValueError(f"backend='ffi' has no kernel for platform {platform!r} with "
                              f"d_ckv={d_ckv}, d_kpe={d_kpe}: {why}")
-        if platform != "cpu" and (not built or not dtypes_ok):
+        if not built and platform != "cpu":
             _warn_once(f"jax_mla: no {platform} kernel ({why}); backend='auto' runs the jax.numpy reference")
     return "ffi" if ok else "reference"
 
@@ -110,7 +102,7 @@ def mla_paged_attention(
     """
     t, h, d_ckv, d_kpe, ckv_scale, kpe_scale = check_attention_args(
         q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale, ckv_scale, kpe_scale)
-    which = resolve_backend(backend, d_ckv, d_kpe, (ckv.dtype, kpe.dtype))
+    which = resolve_backend(backend, d_ckv, d_kpe)
     if which == "reference":
         return mla_paged_attention_reference(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan,
                                              sm_scale=sm_scale, return_lse=return_lse, ckv_scale=ckv_scale,

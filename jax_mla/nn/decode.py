@@ -108,7 +108,7 @@ class Generator:
             raise ValueError(f"kv_cache_dtype={dtype.name} is not one of {[d.name for d in KV_CACHE_DTYPES]}")
         kpe_dtype = jnp.dtype(jnp.float16) if jnp.dtype(model.dtype) == jnp.float16 else None
         # An unknown name (or 'ffi' where no kernel is built) fails here, not at the first step.
-        resolve_backend(backend, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim, (dtype,))
+        resolve_backend(backend, self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
         self.backend = backend
         self.kv_cache_dtype = dtype
         self.caches = manager.init_caches(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype,

@@ -19,9 +19,8 @@ FORMS = ("absorbed", "expanded")
 
 
 def stored_values(x: jax.Array, dtype, scale, compute_dtype) -> jax.Array:
-    """x as the cache will hold it, in compute_dtype: cast to the cache dtype, or for an fp8 cache
-    quantized and dequantized (so the expanded form sees the values the cache stores; the append
-    quantizes the result again, exactly: fp8 x scale / scale round-trips)."""
+    """x as the cache holds it, in compute_dtype: cast to the cache dtype, or for an fp8 cache
+    quantized and dequantized (so the expanded form sees the values the cache stores)."""
     if scale is None:
         return x.astype(dtype).astype(compute_dtype)
     return dequantize(quantize_fp8(x, scale), scale).astype(compute_dtype)
@@ -141,9 +140,7 @@ class MLAAttention(nnx.Module):
         q_pe = self.rope(q_pe, positions)
         ckv_new, kpe_new = self.latents(x)
         kpe_new = self.rope(kpe_new, positions)
-        # Both forms attend to the values as stored (cache dtype) so they agree in bf16 too.
-        ckv_new = stored_values(ckv_new, kv.ckv.dtype, kv.ckv_scale, cache_dtype)
-        kpe_new = stored_values(kpe_new, kv.kpe.dtype, kv.kpe_scale, cache_dtype)
+        # The append casts (or quantizes) the new rows once.
         ckv, kpe = append_paged_kv(kv.ckv, kv.kpe, ckv_new, kpe_new, batch.page_table, batch.kv_lens,
                                    batch.plan, ckv_scale=kv.ckv_scale, kpe_scale=kv.kpe_scale)
         w_uk = self.w_uk[...].astype(self.dtype)
@@ -156,8 +153,11 @@ class MLAAttention(nnx.Module):
                                          kpe_scale=kv.kpe_scale)
             o = jnp.einsum("thr,hvr->thv", latent.astype(self.dtype), w_uv, precision=self.precision)
         else:
-            o = self._expanded_attention(q_nope, q_pe, ckv_new, kpe_new, jnp.asarray(batch.plan.tokens),
-                                         w_uk, w_uv)
+            # Both forms attend to the values as stored (cache dtype) so they agree in bf16 and fp8 too.
+            o = self._expanded_attention(q_nope, q_pe,
+                                         stored_values(ckv_new, kv.ckv.dtype, kv.ckv_scale, cache_dtype),
+                                         stored_values(kpe_new, kv.kpe.dtype, kv.kpe_scale, cache_dtype),
+                                         jnp.asarray(batch.plan.tokens), w_uk, w_uv)
         y = self.o_proj(o.reshape(t, h * dv).astype(self.dtype))
         return y, PagedKV(ckv, kpe, kv.ckv_scale, kv.kpe_scale)
 

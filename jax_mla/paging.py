@@ -260,18 +260,27 @@ class PagedCacheManager:
         """
         if self._pending:
             n = len(self._pending)
-            m = bucket(n, 8)
-            rows = np.full(m, self.max_requests, np.int32)  # padding: out of range, dropped
-            cols = np.zeros(m, np.int32)
-            vals = np.zeros(m, np.int32)
-            keys = list(self._pending)
-            rows[:n] = [k[0] for k in keys]
-            cols[:n] = [k[1] for k in keys]
-            vals[:n] = list(self._pending.values())
+            rows, cols, vals = self.take_pending(bucket(n, 8))
             self.device_page_table = _set_entries(self.device_page_table, rows, cols, vals)
             self.entries_sent += n
-            self._pending.clear()
         return self.device_page_table
+
+    def take_pending(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pending page-table changes as (rows, cols, values) int32 arrays of `size` entries, and
+        forget them. Entries past the pending ones have row = max_requests (out of range: a scatter
+        with mode='drop' skips them)."""
+        n = len(self._pending)
+        if size < n:
+            raise ValueError(f"size={size} is less than the {n} pending entries")
+        rows = np.full(size, self.max_requests, np.int32)
+        cols = np.zeros(size, np.int32)
+        vals = np.zeros(size, np.int32)
+        keys = list(self._pending)
+        rows[:n] = [k[0] for k in keys]
+        cols[:n] = [k[1] for k in keys]
+        vals[:n] = list(self._pending.values())
+        self._pending.clear()
+        return rows, cols, vals
 
     # ---- plans ----------------------------------------------------------------
     def plan(self, qo_lens: np.ndarray, kv_lens: np.ndarray, *, num_heads: int, num_tokens: int) -> MLAPlan:

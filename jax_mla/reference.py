@@ -24,6 +24,21 @@ KEY_CHUNK = 512
 TOKEN_BLOCK = 128
 
 
+def _varying_like(tree, *refs):
+    """tree (float32 constants) made to vary over every manual mesh axis that any of refs varies over.
+
+    Inside a shard_map the scan's carry must start with the type it ends with; constants are
+    invariant, the step's values vary with the operands (e.g. over "data" and "tensor"). A select
+    whose branch is a ref's element takes on the ref's variation and keeps the constant's value
+    (JAX inserts the casts; XLA folds the select away). Without a mesh nothing changes.
+    """
+    zero = jnp.zeros((), jnp.float32)
+    for r in refs:
+        if r is not None and r.size:
+            zero = jnp.where(True, zero, jnp.ravel(r)[0].astype(jnp.float32))
+    return jax.tree.map(lambda x: x + zero, tree)
+
+
 def mla_paged_attention_reference(
     q_nope: jax.Array,
     q_pe: jax.Array,
@@ -95,8 +110,9 @@ def mla_paged_attention_reference(
             acc = acc * alpha[..., None] + jnp.einsum("thk,tkd->thd", p, k_c, precision=hp)
             return (m_new, l, acc), None
 
-        init = (jnp.full((block, num_heads), -jnp.inf, f32), jnp.zeros((block, num_heads), f32),
-                jnp.zeros((block, num_heads, d_ckv), f32))
+        init = _varying_like((jnp.full((block, num_heads), -jnp.inf, f32), jnp.zeros((block, num_heads), f32),
+                              jnp.zeros((block, num_heads, d_ckv), f32)),
+                             qn, qp, pages, nv, ckv, kpe, ckv_scale, kpe_scale)
         (m, l, acc), _ = jax.lax.scan(step, init, jnp.arange(n_chunks))
         out = acc / jnp.where(l > 0, l, 1.0)[..., None]
         m_use = jnp.where(m == -jnp.inf, 0.0, m)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from ..attention import mla_paged_attention
 from ..cache import append_paged_kv
 from ..paging import PagedBatch, PagedKV, token_positions
+from ..parallel import DATA, TENSOR, local_plan, mesh_sizes, shard_map
 from ..quant import dequantize, is_fp8, quantize_fp8
 from .config import DeepseekConfig
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -118,48 +122,79 @@ class MLAAttention(nnx.Module):
 
     # ---- forward ------------------------------------------------------------
     def __call__(self, x: jax.Array, kv: PagedKV, batch: PagedBatch, *, form: str = "absorbed",
-                 backend: str = "auto") -> tuple[jax.Array, PagedKV]:
+                 backend: str = "auto", mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, PagedKV]:
         """x [T, hidden] (the plan's T query tokens) -> (y [T, hidden], updated cache).
 
         This step's compressed kv and k_pe are written to the cache at their
         positions (kv_len - e) before attending, so queries see them. Pass the
         cache arrays donated into the jitted step and the writes happen in place.
+
+        mesh: a (data, tensor) mesh (jax_mla.parallel): x holds the data shards' tokens back to back,
+        the cache, page table and kv lengths are sharded over data, the plan is one plan per data
+        shard stacked (`stack_plans`) for the local heads, and the paged part (positions, append,
+        attention) runs per shard in a `shard_map`; the projections follow the parameters'
+        shardings (heads over tensor, jax_mla.nn.sharding).
         """
         if form not in FORMS:
             raise ValueError(f"form={form!r} is not one of {FORMS}")
         cfg = self.cfg
         t = x.shape[0]
-        if t != batch.plan.num_tokens:
-            raise ValueError(f"x has {t} tokens but the plan was made for {batch.plan.num_tokens}")
+        shards = 1 if mesh is None else mesh_sizes(mesh)[0]
+        if t != shards * batch.plan.num_tokens:
+            raise ValueError(f"x has {t} tokens but the plan was made for {batch.plan.num_tokens}"
+                             + ("" if mesh is None else f" per data shard x {shards} shards"))
         h, dv = cfg.num_attention_heads, cfg.v_head_dim
+        q_nope, q_pe = self.queries(x)
+        ckv_new, kpe_new = self.latents(x)
+        w_uk = self.w_uk[...].astype(self.dtype)
+        w_uv = self.w_uv[...].astype(self.dtype)
+        if form == "absorbed":
+            q_nope = jnp.einsum("thd,hdr->thr", q_nope, w_uk, precision=self.precision)
+        attend = functools.partial(self._attend_paged, form=form, backend=backend)
+        if mesh is None:
+            o, kv = attend(q_nope, q_pe, ckv_new, kpe_new, kv, batch, w_uk, w_uv)
+        else:
+            heads, rows, shard = P(DATA, TENSOR, None), P(DATA, None), P(DATA)
+            kv_spec = PagedKV(shard, shard, P(), P())
+            o, kv = shard_map(
+                lambda q, qr, c, k, kv, b, wk, wv: attend(q, qr, c, k, kv, b._replace(plan=local_plan(b.plan)),
+                                                          wk, wv),
+                mesh=mesh, in_specs=(heads, heads, rows, rows, kv_spec, PagedBatch(shard, shard, shard),
+                                     P(TENSOR), P(TENSOR)),
+                out_specs=(heads, kv_spec))(q_nope, q_pe, ckv_new, kpe_new, kv, batch, w_uk, w_uv)
+        if form == "absorbed":
+            o = jnp.einsum("thr,hvr->thv", o.astype(self.dtype), w_uv, precision=self.precision)
+        y = self.o_proj(o.reshape(t, h * dv).astype(self.dtype))
+        return y, kv
+
+    def _attend_paged(self, q, q_pe, ckv_new, kpe_new, kv: PagedKV, batch: PagedBatch, w_uk, w_uv, *,
+                      form: str, backend: str) -> tuple[jax.Array, PagedKV]:
+        """One device's paged part: rope at the tokens' positions, append, attend.
+
+        q is q_nope with W_UK absorbed (absorbed form) or q_nope itself (expanded). Returns the
+        latent output [T, H, kv_lora_rank] (absorbed) or the values [T, H, v_head_dim] (expanded),
+        and the cache with this step's rows written.
+        """
+        cfg = self.cfg
         # Queries and new rows go to the op in the cache's dtype; with an fp8 cache (jax_mla.quant),
         # in kpe's dtype (bf16 / f16; bf16 for an fp8 kpe), and the append quantizes them.
         cache_dtype = kv.kpe.dtype if not is_fp8(kv.kpe.dtype) else jnp.dtype(jnp.bfloat16)
         positions = token_positions(batch)
-        q_nope, q_pe = self.queries(x)
         q_pe = self.rope(q_pe, positions)
-        ckv_new, kpe_new = self.latents(x)
         kpe_new = self.rope(kpe_new, positions)
         # The append casts (or quantizes) the new rows once.
         ckv, kpe = append_paged_kv(kv.ckv, kv.kpe, ckv_new, kpe_new, batch.page_table, batch.kv_lens,
                                    batch.plan, ckv_scale=kv.ckv_scale, kpe_scale=kv.kpe_scale)
-        w_uk = self.w_uk[...].astype(self.dtype)
-        w_uv = self.w_uv[...].astype(self.dtype)
         if form == "absorbed":
-            q_abs = jnp.einsum("thd,hdr->thr", q_nope, w_uk, precision=self.precision)
-            latent = mla_paged_attention(q_abs.astype(cache_dtype), q_pe.astype(cache_dtype), ckv, kpe,
-                                         batch.page_table, batch.kv_lens, batch.plan,
-                                         sm_scale=cfg.softmax_scale, backend=backend, ckv_scale=kv.ckv_scale,
-                                         kpe_scale=kv.kpe_scale)
-            o = jnp.einsum("thr,hvr->thv", latent.astype(self.dtype), w_uv, precision=self.precision)
+            o = mla_paged_attention(q.astype(cache_dtype), q_pe.astype(cache_dtype), ckv, kpe,
+                                    batch.page_table, batch.kv_lens, batch.plan, sm_scale=cfg.softmax_scale,
+                                    backend=backend, ckv_scale=kv.ckv_scale, kpe_scale=kv.kpe_scale)
         else:
             # Both forms attend to the values as stored (cache dtype) so they agree in bf16 and fp8 too.
-            o = self._expanded_attention(q_nope, q_pe,
-                                         stored_values(ckv_new, kv.ckv.dtype, kv.ckv_scale, cache_dtype),
+            o = self._expanded_attention(q, q_pe, stored_values(ckv_new, kv.ckv.dtype, kv.ckv_scale, cache_dtype),
                                          stored_values(kpe_new, kv.kpe.dtype, kv.kpe_scale, cache_dtype),
                                          jnp.asarray(batch.plan.tokens), w_uk, w_uv)
-        y = self.o_proj(o.reshape(t, h * dv).astype(self.dtype))
-        return y, PagedKV(ckv, kpe, kv.ckv_scale, kv.kpe_scale)
+        return o, PagedKV(ckv, kpe, kv.ckv_scale, kv.kpe_scale)
 
     def _expanded_attention(self, q_nope, q_pe, ckv_new, kpe_new, tokens, w_uk, w_uv):
         """Standard attention among this step's tokens, k/v expanded from the latents.

@@ -25,10 +25,14 @@ import numpy as np
 from flax import nnx
 
 from ..attention import resolve_backend
+from jax.sharding import PartitionSpec as P
+
 from ..paging import PagedBatch, PagedCacheManager, bucket
+from ..parallel import DATA, ShardedCacheManager, make_mesh, mesh_sizes, on_data_shards
 from ..quant import FP8_DTYPE, is_fp8
 from .attention import FORMS
 from .model import DeepseekModel
+from .sharding import shard_params
 
 # Latent cache dtypes a Generator can keep.
 KV_CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), FP8_DTYPE)
@@ -48,7 +52,7 @@ def choose_prefill_form(cfg, qo_lens: np.ndarray, kv_lens: np.ndarray, num_token
     """
     qo = np.asarray(qo_lens, np.int64)
     kv = np.asarray(kv_lens, np.int64)
-    if np.any(kv != qo):
+    if np.any((qo > 0) & (kv != qo)):
         return "absorbed"  # a cached prefix is only reachable through the paged op
     h, r = cfg.num_attention_heads, cfg.kv_lora_rank
     if 4 * h * num_tokens * num_tokens > max_score_bytes:
@@ -83,18 +87,47 @@ class Generator:
       kpe in bfloat16 (float16 for a float16 model).
     min_token_bucket: smallest number of query rows of a step; rows are padded
       to a power of two so that steps of similar size share one compiled program.
+    mesh: run over several devices: a `jax.sharding.Mesh` with axes ``"data"`` and ``"tensor"``
+      (jax_mla.parallel.make_mesh), or its sizes ``(data, tensor)``. Each data shard serves its own
+      requests from its own paged cache (DP attention): `manager` then describes one shard (its
+      pages and slots) and the Generator keeps one such manager per shard
+      (jax_mla.parallel.ShardedCacheManager, also accepted directly); slots are global
+      (shard d's slot j is ``d * max_requests + j``). Heads are split over ``"tensor"``
+      (jax_mla.nn.sharding), the latent cache replicated. Everything is placed once.
     """
 
-    def __init__(self, model: DeepseekModel, manager: PagedCacheManager, *, backend: str = "auto",
-                 kv_cache_dtype=None, kv_scale: float = 1.0, temperature: float = 0.0, seed: int = 0,
-                 min_token_bucket: int = 8):
+    def __init__(self, model: DeepseekModel, manager: PagedCacheManager | ShardedCacheManager, *,
+                 backend: str = "auto", kv_cache_dtype=None, kv_scale: float = 1.0, temperature: float = 0.0,
+                 seed: int = 0, min_token_bucket: int = 8, mesh=None):
         self.cfg = model.cfg
+        if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+            try:
+                data, tensor = mesh
+            except (TypeError, ValueError):
+                raise ValueError(f"mesh must be a jax.sharding.Mesh or (data, tensor) sizes, got {mesh!r}") from None
+            mesh = make_mesh(data, tensor)
+        self.mesh = mesh
+        data, tensor = (1, 1) if mesh is None else mesh_sizes(mesh)
+        if self.cfg.num_attention_heads % tensor:
+            raise ValueError(f"num_attention_heads={self.cfg.num_attention_heads} is not divisible by the "
+                             f"mesh's tensor size {tensor}")
+        self.num_shards = data
+        self.local_heads = self.cfg.num_attention_heads // tensor  # each device plans for its heads
+        if mesh is not None and isinstance(manager, PagedCacheManager):
+            manager = ShardedCacheManager.like(manager, mesh)
+        elif mesh is not None and (not isinstance(manager, ShardedCacheManager) or manager.mesh != mesh):
+            raise ValueError("with a mesh, pass a PagedCacheManager (one shard's sizes) or a "
+                             "ShardedCacheManager made for that mesh")
+        elif mesh is None and isinstance(manager, ShardedCacheManager):
+            raise ValueError("a ShardedCacheManager needs the Generator's mesh= (its mesh)")
         self.manager = manager
         if not (np.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
         self.temperature = float(temperature)
         self.min_token_bucket = _count("min_token_bucket", min_token_bucket, minimum=1)
         self.graphdef, params = nnx.split(model)
+        if mesh is not None:
+            params = shard_params(params, self.cfg, mesh)
         # Steps take the parameters as a flat list: flattening an nnx.State on every
         # dispatch costs more host time than the rest of the dispatch.
         self._params_def = jax.tree.structure(params)
@@ -113,8 +146,10 @@ class Generator:
         self.kv_cache_dtype = dtype
         self.caches = manager.init_caches(cfg.num_hidden_layers, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype,
                                           kpe_dtype=kpe_dtype if is_fp8(dtype) else None, ckv_scale=kv_scale)
-        self.next_tokens = jnp.zeros((manager.max_requests,), jnp.int32)  # per slot: the next input token
+        self.next_tokens = self._put(np.zeros((manager.max_requests,), np.int32))  # per slot: next input token
         self.rng = jax.random.key(seed)
+        if mesh is not None:
+            self.rng = jax.device_put(self.rng, manager.replicated)
         self.traces: collections.Counter[str] = collections.Counter()
         self.outputs: dict[int, list[int]] = collections.defaultdict(list)
         self._unread: collections.deque = collections.deque()  # (slot of each row, device tokens)
@@ -130,29 +165,51 @@ class Generator:
     def _model(self, params) -> DeepseekModel:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
 
+    def _put(self, tree):
+        """A step's host arrays onto the devices: as they are on one device; with a mesh, split
+        over data on their leading axis (each shard gets only its part)."""
+        return tree if self.mesh is None else jax.device_put(tree, self.manager.sharded)
+
+    def _by_shard(self, x, spec=P(DATA)):
+        """Inside a step with a mesh: keep x split over data (rows are shards' rows back to back)."""
+        return x if self.mesh is None else jax.lax.with_sharding_constraint(
+            x, jax.sharding.NamedSharding(self.mesh, spec))
+
     def _prefill_impl(self, params, caches, page_table, kv_lens, plan, tokens, last_rows, next_tokens, rng, *,
                       form, with_logits):
         self.traces["prefill"] += 1
         model = self._model(params)
         logits, caches = model(tokens, caches, PagedBatch(page_table, kv_lens, plan), form=form,
-                               backend=self.backend, logits_rows=jnp.maximum(last_rows, 0))
+                               backend=self.backend, logits_rows=jnp.maximum(last_rows, 0), mesh=self.mesh)
         sampled, rng = _sample(logits, rng, self.temperature)
-        fresh = last_rows >= 0
-        next_tokens = jnp.where(fresh, sampled, next_tokens)
-        emitted = jnp.where(fresh, sampled, -1)
-        return caches, next_tokens, rng, emitted, (logits if with_logits else None)
+        fresh = last_rows.reshape(-1) >= 0
+        next_tokens = self._by_shard(jnp.where(fresh, sampled, next_tokens))
+        emitted = self._by_shard(jnp.where(fresh, sampled, -1))
+        return caches, next_tokens, rng, emitted, (self._by_shard(logits) if with_logits else None)
 
     def _decode_body(self, model, caches, page_table, kv_lens, plan, next_tokens, rng):
-        """One decode step on the device: feed each slot's next token, sample, store the new ones."""
-        req = jnp.asarray(plan.tokens)[:, 0]
-        valid = req >= 0
-        tokens = next_tokens[jnp.maximum(req, 0)]
+        """One decode step on the device: feed each slot's next token, sample, store the new ones.
+
+        Each data shard (the one device without a mesh) feeds and stores its own slots.
+        """
+        req = jnp.asarray(plan.tokens)[..., 0]  # [T] or, stacked per data shard, [D, T]
+
+        def feed(next_tokens, req):
+            return next_tokens[jnp.maximum(req.reshape(-1), 0)]
+
+        def store(next_tokens, req, sampled):
+            req = req.reshape(-1)
+            valid = req >= 0
+            drop = next_tokens.shape[0]  # out of range: padding rows write nothing
+            return (next_tokens.at[jnp.where(valid, req, drop)].set(sampled, mode="drop"),
+                    jnp.where(valid, sampled, -1))
+
+        tokens = on_data_shards(feed, self.mesh, next_tokens, req)
         logits, caches = model(tokens, caches, PagedBatch(page_table, kv_lens, plan), form="absorbed",
-                               backend=self.backend)
+                               backend=self.backend, mesh=self.mesh)
         sampled, rng = _sample(logits, rng, self.temperature)
-        drop = next_tokens.shape[0]  # out of range: padding rows write nothing
-        next_tokens = next_tokens.at[jnp.where(valid, req, drop)].set(sampled, mode="drop")
-        return caches, next_tokens, rng, jnp.where(valid, sampled, -1), logits
+        next_tokens, emitted = on_data_shards(store, self.mesh, next_tokens, req, sampled)
+        return caches, next_tokens, rng, emitted, self._by_shard(logits)
 
     def _decode_impl(self, params, caches, page_table, kv_lens, plan, next_tokens, rng, *, with_logits):
         self.traces["decode"] += 1
@@ -199,40 +256,57 @@ class Generator:
                 mgr.finish(s)
             raise
 
+    def _rows(self, qo: np.ndarray) -> tuple[int, np.ndarray]:
+        """Row layout of a step with qo query tokens per (global) slot: each data shard's rows are
+        its slots' tokens packed in slot order, padded to a common bucket T. Returns T and each
+        slot's first global row (shard d's rows are d*T .. (d+1)*T)."""
+        d = self.num_shards
+        per_shard = qo.reshape(d, -1)
+        num_tokens = bucket(int(per_shard.sum(axis=1).max()), self.min_token_bucket)
+        start = np.cumsum(per_shard, axis=1) - per_shard + num_tokens * np.arange(d)[:, None]
+        return num_tokens, start.reshape(-1)
+
     def _prefill_admitted(self, slots, prompts, lens, form, with_logits):
         mgr = self.manager
         qo = np.zeros(mgr.max_requests, np.int64)
         qo[slots] = lens
         kv = mgr.lengths + qo
-        total = int(qo.sum())
-        num_tokens = bucket(total, self.min_token_bucket)
-        start = np.cumsum(qo) - qo  # rows are packed in slot order
-        tokens = np.zeros(num_tokens, np.int32)
+        num_tokens, start = self._rows(qo)
+        tokens = np.zeros(self.num_shards * num_tokens, np.int32)
         for s, p in zip(slots, prompts):
             tokens[start[s]: start[s] + p.size] = p
+        # Each shard's last prompt rows, counted within the shard (the model picks among its own rows).
         last_rows = np.full(mgr.max_requests, -1, np.int32)
-        last_rows[slots] = start[slots] + lens - 1
+        last_rows[slots] = start[slots] % num_tokens + lens - 1
         if form == "auto":
-            form = choose_prefill_form(self.cfg, qo, kv, num_tokens)
-        elif form == "expanded" and np.any(kv != qo):
+            per_shard = zip(qo.reshape(self.num_shards, -1), kv.reshape(self.num_shards, -1))
+            forms = {choose_prefill_form(self.cfg, q, k, num_tokens) for q, k in per_shard}
+            form = "expanded" if forms == {"expanded"} else "absorbed"
+        elif form == "expanded" and np.any((qo > 0) & (kv != qo)):
             raise ValueError("form='expanded' needs requests without a cached prefix")
-        plan = mgr.plan(qo, kv, num_heads=self.cfg.num_attention_heads, num_tokens=num_tokens)
+        plan = mgr.plan(qo, kv, num_heads=self.local_heads, num_tokens=num_tokens)
         page_table = mgr.sync()
+        kv_lens, plan, tokens, last_rows = self._put(
+            (kv.astype(np.int32), plan, tokens, last_rows.reshape(self.num_shards, -1)))
         self.caches, self.next_tokens, self.rng, emitted, logits = self._prefill_step(
-            self.params, self.caches, page_table, kv.astype(np.int32), plan, tokens, last_rows,
+            self.params, self.caches, page_table, kv_lens, plan, tokens, last_rows,
             self.next_tokens, self.rng, form=form, with_logits=with_logits)
         mgr.commit(slots, lens)
         self._queue(np.arange(mgr.max_requests), emitted)
         return (slots, logits) if with_logits else slots
 
-    def _decode_rows(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """Active slots, per-slot query lengths (1 for active) and the token bucket of a decode step."""
+    def _decode_rows(self) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+        """Active slots, per-slot query lengths (1 for active), the per-shard token bucket of a
+        decode step, and the slot of each row (-1 for padding)."""
         slots = self.manager.active_slots
         if slots.size == 0:
             raise ValueError("no active requests to decode")
         qo = np.zeros(self.manager.max_requests, np.int64)
         qo[slots] = 1
-        return slots, qo, bucket(slots.size, self.min_token_bucket)
+        num_tokens, start = self._rows(qo)
+        row_slot = np.full(self.num_shards * num_tokens, -1, np.int64)
+        row_slot[start[slots]] = slots
+        return slots, qo, num_tokens, row_slot
 
     def decode(self, num_steps: int, *, fetch_lag: int = 4, with_logits: bool = False,
                on_step: Callable[[int], None] | None = None):
@@ -246,20 +320,19 @@ class Generator:
         num_steps = _count("num_steps", num_steps)
         fetch_lag = _count("fetch_lag", fetch_lag)
         mgr = self.manager
-        slots, qo, num_tokens = self._decode_rows()
-        row_slot = np.full(num_tokens, -1, np.int64)
-        row_slot[: slots.size] = slots  # rows are packed in slot order
+        slots, qo, num_tokens, row_slot = self._decode_rows()
         all_logits = []
         for i in range(num_steps):
             t0 = time.perf_counter()
             mgr.reserve(slots, 1)
             kv = mgr.lengths + qo
-            plan = mgr.plan(qo, kv, num_heads=self.cfg.num_attention_heads, num_tokens=num_tokens)
+            plan = mgr.plan(qo, kv, num_heads=self.local_heads, num_tokens=num_tokens)
             page_table = mgr.sync()
+            kv_lens, plan = self._put((kv.astype(np.int32), plan))
             t1 = time.perf_counter()
             with jax.transfer_guard_device_to_host("disallow"):
                 self.caches, self.next_tokens, self.rng, emitted, logits = self._decode_step(
-                    self.params, self.caches, page_table, kv.astype(np.int32), plan, self.next_tokens, self.rng,
+                    self.params, self.caches, page_table, kv_lens, plan, self.next_tokens, self.rng,
                     with_logits=with_logits)
             t2 = time.perf_counter()
             mgr.commit(slots, 1)
@@ -282,18 +355,16 @@ class Generator:
         if _count("num_steps", num_steps) == 0:
             return
         mgr = self.manager
-        slots, qo, num_tokens = self._decode_rows()
+        slots, qo, num_tokens, row_slot = self._decode_rows()
         mgr.reserve(slots, num_steps)
-        plan = mgr.plan(qo, mgr.lengths + num_steps * qo, num_heads=self.cfg.num_attention_heads,
-                        num_tokens=num_tokens)
+        plan = mgr.plan(qo, mgr.lengths + num_steps * qo, num_heads=self.local_heads, num_tokens=num_tokens)
         page_table = mgr.sync()
+        kv_lens0, step_lens, plan = self._put((mgr.lengths.astype(np.int32), qo.astype(np.int32), plan))
         with jax.transfer_guard_device_to_host("disallow"):
             self.caches, self.next_tokens, self.rng, emitted = self._decode_scan(
-                self.params, self.caches, page_table, mgr.lengths.astype(np.int32), qo.astype(np.int32), plan,
+                self.params, self.caches, page_table, kv_lens0, step_lens, plan,
                 self.next_tokens, self.rng, num_steps=int(num_steps))
         mgr.commit(slots, num_steps)
-        row_slot = np.full(num_tokens, -1, np.int64)
-        row_slot[: slots.size] = slots
         self._queue(row_slot, emitted)
 
     def finish(self, slot: int) -> list[int]:

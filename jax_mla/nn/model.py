@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..paging import PagedBatch, PagedKV
+from ..parallel import on_data_shards
 from .attention import MLAAttention, RMSNorm
 from .config import DeepseekConfig
 
@@ -45,8 +46,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = (SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, rngs=rngs, dtype=dtype,
                            param_dtype=param_dtype, precision=precision) if with_mlp else None)
 
-    def __call__(self, x, kv: PagedKV, batch: PagedBatch, *, form: str, backend: str):
-        a, kv = self.self_attn(self.input_layernorm(x), kv, batch, form=form, backend=backend)
+    def __call__(self, x, kv: PagedKV, batch: PagedBatch, *, form: str, backend: str, mesh=None):
+        a, kv = self.self_attn(self.input_layernorm(x), kv, batch, form=form, backend=backend, mesh=mesh)
         x = x + a
         if self.mlp is not None:
             x = x + self.mlp(self.post_attention_layernorm(x))
@@ -78,22 +79,27 @@ class DeepseekModel(nnx.Module):
                                    param_dtype=param_dtype, precision=precision, rngs=rngs))
 
     def __call__(self, tokens: jax.Array, caches: Sequence[PagedKV], batch: PagedBatch, *,
-                 form: str = "absorbed", backend: str = "auto",
-                 logits_rows: jax.Array | None = None) -> tuple[jax.Array, tuple[PagedKV, ...]]:
+                 form: str = "absorbed", backend: str = "auto", logits_rows: jax.Array | None = None,
+                 mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, tuple[PagedKV, ...]]:
         """tokens [T] int32 (the plan's query tokens) -> (float32 logits, updated caches).
 
-        logits_rows [n] int32 picks the rows to project to the vocabulary (e.g. the
-        last token of each prompt); default all T rows.
+        logits_rows picks the rows to project to the vocabulary (e.g. the last token of
+        each prompt); default all T rows. [n] int32: rows of tokens; [S, n] (S data shards,
+        S = 1 without a mesh): each shard's rows, counted within the shard's own tokens,
+        giving S * n rows.
+        mesh: run over a (data, tensor) mesh; see MLAAttention.
         """
         if len(caches) != len(self.layers):
             raise ValueError(f"got {len(caches)} layer caches for {len(self.layers)} layers")
         x = self.embed_tokens(tokens)
         new_caches = []
         for layer, kv in zip(self.layers, caches):
-            x, kv = layer(x, kv, batch, form=form, backend=backend)
+            x, kv = layer(x, kv, batch, form=form, backend=backend, mesh=mesh)
             new_caches.append(kv)
         x = self.norm(x)
-        if logits_rows is not None:
+        if logits_rows is not None and jnp.ndim(logits_rows) == 2:
+            x = on_data_shards(lambda x, rows: x[rows.reshape(-1)], mesh, x, logits_rows)
+        elif logits_rows is not None:
             x = x[logits_rows]
         logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
         return logits.astype(jnp.float32), tuple(new_caches)

@@ -5,7 +5,7 @@
 # compute-sanitizer (memcheck, racecheck, synccheck) on the driver, and the benchmark. Logs, the
 # benchmark JSON and the roofline land in $OUT (default /tmp/jax_mla_out).
 #
-#   scripts/gpu_check.sh [build] [decode] [check|quickcheck] [test] [sanitize] [timing] [bench] [sweep]
+#   scripts/gpu_check.sh [build] [decode] [check|quickcheck] [test] [sanitize] [parallel] [timing] [bench] [sweep]
 #   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests; a failed check skips
 #   the steps after it unless KEEP_GOING is set)
 #
@@ -117,6 +117,14 @@ if has sanitize && [ $built -eq 0 ]; then
     echo "compute-sanitizer memcheck (JAX) exit $?" | tee -a "$LOGS/summary.txt"
     tail -6 "$LOGS/sanitizer_jax_memcheck.log"
   fi
+fi
+
+if has parallel && [ $built -eq 0 ]; then
+  # Issue 12: several GPUs against one (on a single GPU: the mesh path's own cost).
+  note "bench_parallel ${PARALLEL_ARGS:-}"
+  timeout ${PARALLEL_TIMEOUT:-300} python3 benchmarks/bench_parallel.py --json "$OUT/bench_parallel.json" \
+    ${PARALLEL_ARGS:-} 2>&1 | tee "$LOGS/bench_parallel.log" | tail -12
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if has timing && [ $built -eq 0 ]; then

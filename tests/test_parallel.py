@@ -265,3 +265,21 @@ def test_stack_plans_pads_to_common_buckets():
     other = plan_mla([1, 1, 1], [4, 4, 4], num_heads=4, page_size=16, num_tokens=16, target=target)
     with pytest.raises(ValueError, match="num_tokens=16"):
         stack_plans([short, other])
+
+
+def test_parallel_benchmark_runs_on_two_devices(tmp_path):
+    """benchmarks/bench_parallel.py (the 2xH200 measurement) on 2 fake CPU devices, tiny shapes:
+    every case runs, the tensor-parallel logits and the context-parallel output match one device."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"))
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_parallel.py"), "--small", "--chain",
+                        "2", "--repeats", "1", "--host-steps", "2", "--json", str(out)],
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    res = json.loads(out.read_text())
+    assert res["dp_speedup"] > 0 and res["dp"]["dp2"]["requests"] == 2 * res["dp"]["one_device"]["requests"]
+    assert res["dp"]["dp2"]["traces"]["decode_scan"] == 1
+    assert res["tp"]["logits_rel_err_vs_one_device"] < 1e-2
+    assert res["cp"]["rel_err_vs_one_device"] < 1e-2 and res["cp"]["2_devices_us"] > 0

@@ -109,6 +109,7 @@ class PagedCacheManager:
         self._pending: dict[tuple[int, int], int] = {}
         self.device_page_table = jax.device_put(self.page_table, device)
         self.entries_sent = 0  # page-table entries sent to the device so far (after creation)
+        self.last_sync_entries = 0  # entries (with padding) the last `sync` sent
 
     # ---- queries ------------------------------------------------------------
     @property
@@ -258,11 +259,13 @@ class PagedCacheManager:
         Sends only the changed entries (padded to a power of two so the scatter
         compiles once per size class); no call at all when nothing changed.
         """
+        self.last_sync_entries = 0
         if self._pending:
             n = len(self._pending)
             rows, cols, vals = self.take_pending(bucket(n, 8))
             self.device_page_table = _set_entries(self.device_page_table, rows, cols, vals)
             self.entries_sent += n
+            self.last_sync_entries = rows.size
         return self.device_page_table
 
     def take_pending(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

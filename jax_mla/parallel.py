@@ -233,6 +233,8 @@ class ShardedCacheManager:
         self.device_page_table = jax.device_put(
             np.concatenate([s.page_table for s in self.shards]), self.sharded)
         self.entries_sent = 0
+        self.last_sync_entries = 0
+        self._last_split = None
 
         def set_entries(table, rows, cols, vals):
             return table.at[rows[0], cols[0]].set(vals[0], mode="drop", unique_indices=True)
@@ -275,8 +277,17 @@ class ShardedCacheManager:
         return sum(s.pending_entries for s in self.shards)
 
     def _split(self, slots) -> dict[int, np.ndarray]:
-        """Global slots -> {shard: local slots}, ValueError for a slot out of range."""
+        """Global slots -> {shard: local slots}, ValueError for a slot out of range. The last answer
+        is kept: a decode loop passes the same slots every step."""
         a = np.asarray(slots)
+        key = (a.dtype.str, a.shape, a.tobytes())
+        if self._last_split is not None and self._last_split[0] == key:
+            return self._last_split[1]
+        groups = self._split_uncached(a, slots)
+        self._last_split = (key, groups)
+        return groups
+
+    def _split_uncached(self, a, slots) -> dict[int, np.ndarray]:
         if a.size and a.dtype.kind not in "iu":
             raise ValueError(f"slots must be integers, got {slots!r}")
         a = a.astype(np.int64).reshape(-1)
@@ -287,9 +298,12 @@ class ShardedCacheManager:
         return {int(d): a[shard == d] - d * self.slots_per_shard for d in np.unique(shard)}
 
     def _groups(self, slots, new_tokens):
+        """[(shard, local slots, their token counts)] for global slots and counts (one, or one each)."""
         slots = np.asarray(slots).reshape(-1)
-        counts = np.broadcast_to(np.asarray(new_tokens), slots.shape)
         groups = self._split(slots)
+        if np.ndim(new_tokens) == 0:
+            return [(d, local, new_tokens) for d, local in groups.items()]
+        counts = np.broadcast_to(np.asarray(new_tokens), slots.shape)
         shard_of = slots.astype(np.int64) // self.slots_per_shard
         return [(d, local, counts[shard_of == d]) for d, local in groups.items()]
 
@@ -338,8 +352,13 @@ class ShardedCacheManager:
         from .paging import OutOfPagesError
 
         groups = self._groups(slots, new_tokens)
+        ps = self.page_size
+        if all(np.all((self.shards[d].lengths[local] + n <= self.shards[d].pages_held[local] * ps)
+                      & self.shards[d].active[local] & (np.asarray(n) >= 0)) for d, local, n in groups):
+            return  # every slot holds a request and has its pages already (most decode steps)
         for d, local, n in groups:
             shard = self.shards[d]
+            n = np.broadcast_to(np.asarray(n, np.int64), local.shape)
             shard._slots(local)  # idle or out-of-range slots raise here, before any change
             over = np.nonzero(shard.lengths[local] + n > shard.capacity_per_request)[0]
             if over.size:
@@ -367,6 +386,7 @@ class ShardedCacheManager:
     def sync(self) -> jax.Array:
         """Send every shard's pending page-table changes to its rows of the device table, in place."""
         n = [s.pending_entries for s in self.shards]
+        self.last_sync_entries = 0
         if any(n):
             from .planner import bucket
 
@@ -375,6 +395,7 @@ class ShardedCacheManager:
             rows, cols, vals = jax.device_put((rows, cols, vals), self.sharded)
             self.device_page_table = self._set_entries(self.device_page_table, rows, cols, vals)
             self.entries_sent += sum(n)
+            self.last_sync_entries = rows.size
         return self.device_page_table
 
     def plan(self, qo_lens: np.ndarray, kv_lens: np.ndarray, *, num_heads: int, num_tokens: int) -> MLAPlan:

@@ -86,12 +86,7 @@ MESH_SCRIPT = """
     for shape in ((2, 2), (4, 1)):
         gen = Generator(tiny_model(), manager(), backend="ffi", mesh=make_mesh(*shape))
         gen.prefill(PROMPTS)
-        mgr = gen.manager
-        slots, qo, nt, _ = gen._decode_rows()
-        plan = mgr.plan(qo, mgr.lengths + qo, num_heads=gen.local_heads, num_tokens=nt)
-        kv, plan = gen._put(((mgr.lengths + qo).astype(np.int32), plan))
-        hlo = gen._decode_step.lower(gen.params, gen.caches, mgr.sync(), kv, plan, gen.next_tokens, gen.rng,
-                                     with_logits=False).compile().as_text()
+        hlo = gen.lower_decode_step().compile().as_text()
         found = re.findall(r"= \\S+ (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
                            r"(?:-start)?\\(", hlo)
         colls[str(shape)] = dict(collections.Counter(found))

@@ -16,6 +16,7 @@ to decide anything:
 from __future__ import annotations
 
 import collections
+import math
 import time
 from typing import Callable, Sequence
 
@@ -28,6 +29,7 @@ from ..attention import resolve_backend
 from jax.sharding import PartitionSpec as P
 
 from ..paging import PagedBatch, PagedCacheManager, bucket
+from ..planner import MLAPlan
 from ..parallel import DATA, ShardedCacheManager, make_mesh, mesh_sizes, on_data_shards
 from ..quant import FP8_DTYPE, is_fp8
 from .attention import FORMS
@@ -155,10 +157,12 @@ class Generator:
         self._unread: collections.deque = collections.deque()  # (slot of each row, device tokens)
         self.timings: dict[str, list[float]] = collections.defaultdict(list)
         donate = ("caches", "next_tokens", "rng")
-        self._prefill_step = jax.jit(self._prefill_impl, static_argnames=("form", "with_logits"),
+        layout = ("layout", "plan_static")
+        self._prefill_step = jax.jit(self._prefill_impl, static_argnames=layout + ("form", "with_logits"),
                                      donate_argnames=donate)
-        self._decode_step = jax.jit(self._decode_impl, static_argnames=("with_logits",), donate_argnames=donate)
-        self._decode_scan = jax.jit(self._decode_scan_impl, static_argnames=("num_steps",),
+        self._decode_step = jax.jit(self._decode_impl, static_argnames=layout + ("with_logits",),
+                                    donate_argnames=donate)
+        self._decode_scan = jax.jit(self._decode_scan_impl, static_argnames=layout + ("num_steps",),
                                     donate_argnames=donate)
 
     # ---- jitted bodies -------------------------------------------------------
@@ -166,19 +170,50 @@ class Generator:
         return nnx.merge(self.graphdef, jax.tree.unflatten(self._params_def, params))
 
     def _put(self, tree):
-        """A step's host arrays onto the devices: as they are on one device; with a mesh, split
-        over data on their leading axis (each shard gets only its part)."""
+        """Host arrays onto the devices: as they are on one device; with a mesh, split over data on
+        their leading axis (each shard gets only its part)."""
         return tree if self.mesh is None else jax.device_put(tree, self.manager.sharded)
+
+    def _pack(self, plan, **arrays) -> tuple[np.ndarray | jax.Array, tuple, tuple]:
+        """Every host array of a step in one int32 buffer [D, n] (a row per data shard, D = 1 without a
+        mesh): one transfer per step instead of one per array, and no plan pytree to flatten at
+        dispatch. arrays are per-slot [D * R] or per-shard [D, ...]; the plan's tables (stacked per
+        shard with a mesh) go last. Returns the buffer (on the devices with a mesh), its layout
+        (names and per-shard shapes) and the plan's static facts: the step's static arguments."""
+        d = self.num_shards
+        stacked = self.mesh is not None
+        parts = [np.asarray(a).reshape(d, -1) if np.ndim(a) == 1 else np.asarray(a) for a in arrays.values()]
+        tables = [np.asarray(x) if stacked else np.asarray(x)[None] for x in (plan.work, plan.merge, plan.tokens)]
+        names = tuple(arrays) + ("plan.work", "plan.merge", "plan.tokens")
+        layout = tuple((n, a.shape[1:]) for n, a in zip(names, parts + tables))
+        buf = np.concatenate([a.reshape(d, -1) for a in parts + tables], axis=1).astype(np.int32, copy=False)
+        static = (plan.num_tokens, plan.num_heads, plan.page_size, plan.num_requests, plan.q_tile,
+                  plan.num_partial_rows)
+        return self._put(buf), layout, static
+
+    def _unpack(self, buf, layout, plan_static) -> tuple[dict, MLAPlan]:
+        """In the step: the arrays `_pack` put in buf (per-slot ones flat [D * R]) and the plan."""
+        out, off = {}, 0
+        for name, shape in layout:
+            n = math.prod(shape)
+            out[name] = buf[:, off: off + n].reshape((buf.shape[0],) + tuple(shape))
+            off += n
+        work, merge, tokens = (out.pop(k) for k in ("plan.work", "plan.merge", "plan.tokens"))
+        if self.mesh is None:
+            work, merge, tokens = work[0], merge[0], tokens[0]
+        return out, MLAPlan._make(work, merge, tokens, *plan_static)
 
     def _by_shard(self, x, spec=P(DATA)):
         """Inside a step with a mesh: keep x split over data (rows are shards' rows back to back)."""
         return x if self.mesh is None else jax.lax.with_sharding_constraint(
             x, jax.sharding.NamedSharding(self.mesh, spec))
 
-    def _prefill_impl(self, params, caches, page_table, kv_lens, plan, tokens, last_rows, next_tokens, rng, *,
-                      form, with_logits):
+    def _prefill_impl(self, params, caches, page_table, host, next_tokens, rng, *, layout, plan_static, form,
+                      with_logits):
         self.traces["prefill"] += 1
         model = self._model(params)
+        a, plan = self._unpack(host, layout, plan_static)
+        kv_lens, tokens, last_rows = a["kv_lens"].reshape(-1), a["tokens"].reshape(-1), a["last_rows"]
         logits, caches = model(tokens, caches, PagedBatch(page_table, kv_lens, plan), form=form,
                                backend=self.backend, logits_rows=jnp.maximum(last_rows, 0), mesh=self.mesh)
         sampled, rng = _sample(logits, rng, self.temperature)
@@ -211,16 +246,20 @@ class Generator:
         next_tokens, emitted = on_data_shards(store, self.mesh, next_tokens, req, sampled)
         return caches, next_tokens, rng, emitted, self._by_shard(logits)
 
-    def _decode_impl(self, params, caches, page_table, kv_lens, plan, next_tokens, rng, *, with_logits):
+    def _decode_impl(self, params, caches, page_table, host, next_tokens, rng, *, layout, plan_static,
+                     with_logits):
         self.traces["decode"] += 1
+        a, plan = self._unpack(host, layout, plan_static)
         caches, next_tokens, rng, emitted, logits = self._decode_body(
-            self._model(params), caches, page_table, kv_lens, plan, next_tokens, rng)
+            self._model(params), caches, page_table, a["kv_lens"].reshape(-1), plan, next_tokens, rng)
         return caches, next_tokens, rng, emitted, (logits if with_logits else None)
 
-    def _decode_scan_impl(self, params, caches, page_table, kv_lens0, step_lens, plan, next_tokens, rng, *,
+    def _decode_scan_impl(self, params, caches, page_table, host, next_tokens, rng, *, layout, plan_static,
                           num_steps):
         self.traces["decode_scan"] += 1
         model = self._model(params)
+        a, plan = self._unpack(host, layout, plan_static)
+        kv_lens0, step_lens = a["kv_lens"].reshape(-1), a["step_lens"].reshape(-1)
 
         def step(carry, i):
             caches, next_tokens, rng = carry
@@ -286,11 +325,11 @@ class Generator:
             raise ValueError("form='expanded' needs requests without a cached prefix")
         plan = mgr.plan(qo, kv, num_heads=self.local_heads, num_tokens=num_tokens)
         page_table = mgr.sync()
-        kv_lens, plan, tokens, last_rows = self._put(
-            (kv.astype(np.int32), plan, tokens, last_rows.reshape(self.num_shards, -1)))
+        host, layout, static = self._pack(plan, kv_lens=kv, tokens=tokens,
+                                          last_rows=last_rows.reshape(self.num_shards, -1))
         self.caches, self.next_tokens, self.rng, emitted, logits = self._prefill_step(
-            self.params, self.caches, page_table, kv_lens, plan, tokens, last_rows,
-            self.next_tokens, self.rng, form=form, with_logits=with_logits)
+            self.params, self.caches, page_table, host, self.next_tokens, self.rng, layout=layout,
+            plan_static=static, form=form, with_logits=with_logits)
         mgr.commit(slots, lens)
         self._queue(np.arange(mgr.max_requests), emitted)
         return (slots, logits) if with_logits else slots
@@ -328,16 +367,17 @@ class Generator:
             kv = mgr.lengths + qo
             plan = mgr.plan(qo, kv, num_heads=self.local_heads, num_tokens=num_tokens)
             page_table = mgr.sync()
-            kv_lens, plan = self._put((kv.astype(np.int32), plan))
+            host, layout, static = self._pack(plan, kv_lens=kv)
             t1 = time.perf_counter()
             with jax.transfer_guard_device_to_host("disallow"):
                 self.caches, self.next_tokens, self.rng, emitted, logits = self._decode_step(
-                    self.params, self.caches, page_table, kv_lens, plan, self.next_tokens, self.rng,
-                    with_logits=with_logits)
+                    self.params, self.caches, page_table, host, self.next_tokens, self.rng, layout=layout,
+                    plan_static=static, with_logits=with_logits)
             t2 = time.perf_counter()
             mgr.commit(slots, 1)
             self.timings["plan_s"].append(t1 - t0)
             self.timings["dispatch_s"].append(t2 - t1)
+            self.timings["h2d_bytes"].append(host.nbytes + 12 * mgr.last_sync_entries)
             self._queue(row_slot, emitted)
             self._read(keep=fetch_lag)
             if with_logits:
@@ -359,13 +399,23 @@ class Generator:
         mgr.reserve(slots, num_steps)
         plan = mgr.plan(qo, mgr.lengths + num_steps * qo, num_heads=self.local_heads, num_tokens=num_tokens)
         page_table = mgr.sync()
-        kv_lens0, step_lens, plan = self._put((mgr.lengths.astype(np.int32), qo.astype(np.int32), plan))
+        host, layout, static = self._pack(plan, kv_lens=mgr.lengths, step_lens=qo)
         with jax.transfer_guard_device_to_host("disallow"):
             self.caches, self.next_tokens, self.rng, emitted = self._decode_scan(
-                self.params, self.caches, page_table, kv_lens0, step_lens, plan,
-                self.next_tokens, self.rng, num_steps=int(num_steps))
+                self.params, self.caches, page_table, host, self.next_tokens, self.rng, layout=layout,
+                plan_static=static, num_steps=int(num_steps))
         mgr.commit(slots, num_steps)
         self._queue(row_slot, emitted)
+
+    def lower_decode_step(self, *, with_logits: bool = False) -> jax.stages.Lowered:
+        """The jitted decode step for the active requests, lowered, not run (nothing changes): to
+        inspect what a step compiles to, e.g. ``gen.lower_decode_step().compile().as_text()``."""
+        mgr = self.manager
+        _, qo, num_tokens, _ = self._decode_rows()
+        plan = mgr.plan(qo, mgr.lengths + qo, num_heads=self.local_heads, num_tokens=num_tokens)
+        host, layout, static = self._pack(plan, kv_lens=mgr.lengths + qo)
+        return self._decode_step.lower(self.params, self.caches, mgr.device_page_table, host, self.next_tokens,
+                                       self.rng, layout=layout, plan_static=static, with_logits=with_logits)
 
     def finish(self, slot: int) -> list[int]:
         """Release a request; return the tokens it generated."""

@@ -96,6 +96,15 @@ MESH_SCRIPT = """
         colls[str(shape) + " cache"] = [str(a) for a in gen.caches[0].ckv.sharding.spec]
     res["collectives"] = colls
 
+    # A stream of requests through the data shards' slots gives the one-device stream's tokens.
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 97, rng.integers(2, 10)).tolist() for _ in range(10)]
+    budget = rng.integers(1, 7, 10)
+    one = Generator(tiny_model(), manager(), backend="ffi").serve(prompts, budget)
+    mesh_gen = Generator(tiny_model(), manager(), backend="ffi", mesh=make_mesh(2, 2))
+    res["stream"] = dict(equal=mesh_gen.serve(prompts, budget) == one, stats=mesh_gen.stream_stats,
+                         lengths=[len(o) for o in one] == budget.tolist())
+
     # Argument checks.
     errors = []
     for kw in (dict(mesh=make_mesh(1, 3)), dict(mesh=(2,))):
@@ -136,6 +145,11 @@ def test_mesh_decode_step_moves_no_data(mesh_results):
     assert c["(2, 2)"] == {"all-reduce": 2 * layers}, c
     assert c["(4, 1)"] == {}, c
     assert c["(2, 2) cache"] == c["(4, 1) cache"] == ["data"]
+
+
+def test_mesh_stream_of_requests_equals_single_device(mesh_results):
+    r = mesh_results["stream"]
+    assert r["equal"] and r["lengths"] and r["stats"]["prefill_steps"] > 1
 
 
 def test_mesh_bad_arguments(mesh_results):

@@ -28,7 +28,7 @@ from flax import nnx
 from ..attention import resolve_backend
 from jax.sharding import PartitionSpec as P
 
-from ..paging import PagedBatch, PagedCacheManager, bucket
+from ..paging import OutOfPagesError, OutOfSlotsError, PagedBatch, PagedCacheManager, bucket
 from ..planner import MLAPlan
 from ..parallel import DATA, ShardedCacheManager, make_mesh, mesh_sizes, on_data_shards
 from ..quant import FP8_DTYPE, is_fp8
@@ -153,8 +153,16 @@ class Generator:
         if mesh is not None:
             self.rng = jax.device_put(self.rng, manager.replicated)
         self.traces: collections.Counter[str] = collections.Counter()
-        self.outputs: dict[int, list[int]] = collections.defaultdict(list)
-        self._unread: collections.deque = collections.deque()  # (slot of each row, device tokens)
+        # Tokens are kept per request id (a slot is reused once its request finishes, possibly while
+        # the finished request's last tokens are still on their way back).
+        self._tokens: dict[int, list[int]] = collections.defaultdict(list)
+        self._slot_request = np.full(manager.max_requests, -1, np.int64)  # request id in each slot
+        self._next_request = 0
+        # Static signature (form, buffer layout, plan facts) of every prefill step so far: the
+        # buckets a prefill compiles for (token rows, and the plan's tables and partial rows).
+        self.prefill_shapes: set[tuple] = set()
+        self.stream_stats: dict = {}
+        self._unread: collections.deque = collections.deque()  # (request id of each row, device tokens)
         self.timings: dict[str, list[float]] = collections.defaultdict(list)
         donate = ("caches", "next_tokens", "rng")
         layout = ("layout", "plan_static")
@@ -273,11 +281,14 @@ class Generator:
         return caches, next_tokens, rng, emitted
 
     # ---- host side -----------------------------------------------------------
-    def prefill(self, prompts: Sequence[Sequence[int]], *, form: str = "auto", with_logits: bool = False):
+    def prefill(self, prompts: Sequence[Sequence[int]], *, form: str = "auto", with_logits: bool = False,
+                reserve_tokens: Sequence[int] | int = 0):
         """Admit prompts, run them through the model in one step, sample each one's first token.
 
         Returns the new slots (and, with_logits, the float32 logits [max_requests, vocab]
         of each slot's last prompt token, rows of other slots meaningless).
+        reserve_tokens: pages for this many more tokens per prompt are taken at admission too
+        (all or nothing), so its decode steps never run out of pages.
         """
         mgr = self.manager
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
@@ -287,7 +298,10 @@ class Generator:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
         if form not in ("auto",) + FORMS:
             raise ValueError(f"form={form!r} is not 'auto' or one of {FORMS}")
-        slots = mgr.admit(lens)
+        extra = np.broadcast_to(np.asarray(reserve_tokens), lens.shape)
+        if extra.size and (extra.dtype.kind not in "iu" or extra.min() < 0):
+            raise ValueError(f"reserve_tokens must be integers >= 0, got {reserve_tokens!r}")
+        slots = mgr.admit(lens + extra)
         try:
             return self._prefill_admitted(slots, prompts, lens, form, with_logits)
         except Exception:
@@ -327,10 +341,14 @@ class Generator:
         page_table = mgr.sync()
         host, layout, static = self._pack(plan, kv_lens=kv, tokens=tokens,
                                           last_rows=last_rows.reshape(self.num_shards, -1))
+        self.prefill_shapes.add((form, layout, static))
         self.caches, self.next_tokens, self.rng, emitted, logits = self._prefill_step(
             self.params, self.caches, page_table, host, self.next_tokens, self.rng, layout=layout,
             plan_static=static, form=form, with_logits=with_logits)
         mgr.commit(slots, lens)
+        for s in slots:
+            self._slot_request[s] = self._next_request
+            self._next_request += 1
         self._queue(np.arange(mgr.max_requests), emitted)
         return (slots, logits) if with_logits else slots
 
@@ -418,26 +436,127 @@ class Generator:
                                        self.rng, layout=layout, plan_static=static, with_logits=with_logits)
 
     def finish(self, slot: int) -> list[int]:
-        """Release a request; return the tokens it generated."""
+        """Release a request; return the tokens it generated (waits for them)."""
         self._read(keep=0)
+        return self._tokens.pop(self._release(slot), [])
+
+    def _release(self, slot: int) -> int:
+        """Give a request's slot and pages back without waiting; its request id (its tokens keep
+        arriving under that id)."""
         self.manager.finish(slot)
-        return self.outputs.pop(int(slot), [])
+        request = int(self._slot_request[slot])
+        self._slot_request[slot] = -1
+        return request
+
+    @property
+    def outputs(self) -> dict[int, list[int]]:
+        """Tokens read back so far, per active slot (no wait)."""
+        return {int(s): self._tokens[int(r)] for s, r in enumerate(self._slot_request)
+                if r >= 0 and int(r) in self._tokens}
 
     def results(self) -> dict[int, list[int]]:
-        """Every generated token so far, per slot (waits for the device)."""
+        """Every generated token so far, per active slot (waits for the device)."""
         self._read(keep=0)
         return {s: list(v) for s, v in self.outputs.items()}
+
+    def serve(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int] | int, *,
+              eos_token_id: int | None = None, fetch_lag: int = 4) -> list[list[int]]:
+        """Serve a stream of requests through this Generator's slots; their tokens, in arrival order.
+
+        Requests wait in arrival order; between decode steps the ones that fit (a free slot and
+        pages for prompt + max_new_tokens, taken at admission) are admitted and prefilled in one
+        step, and requests that are done leave (their slot and pages are reused at once). A request
+        is done after max_new_tokens tokens (the first comes from its prefill), known on the host
+        without reading the device; with eos_token_id also when it emits that token, seen
+        `fetch_lag` steps late (tokens after it are dropped). Steps are host-planned as in `decode`;
+        shapes are bucketed, so compilations are bounded by the buckets touched (`self.traces`).
+        `self.stream_stats` has the steps, wall time and each request's time to first token.
+        """
+        prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        n = len(prompts)
+        budget = np.broadcast_to(np.asarray(max_new_tokens), (n,))
+        if n and (budget.dtype.kind not in "iu" or budget.min() < 1):
+            raise ValueError(f"max_new_tokens must be integers >= 1, got {max_new_tokens!r}")
+        fetch_lag = _count("fetch_lag", fetch_lag)
+        mgr = self.manager
+        waiting = collections.deque(range(n))
+        active: dict[int, int] = {}  # slot -> request index
+        made = np.zeros(n, np.int64)  # tokens each request has been given steps for
+        first_id = np.full(n, -1, np.int64)  # request id (self._tokens key) of each request
+        done: list[int] = []
+        out: list[list[int] | None] = [None] * n
+        ttft = np.full(n, np.nan)
+        t0 = time.perf_counter()
+        steps = prefills = 0
+
+        def collect(i, tokens):
+            toks = list(tokens)[: int(budget[i])]
+            if eos_token_id is not None and eos_token_id in toks:
+                toks = toks[: toks.index(eos_token_id) + 1]
+            out[i] = toks
+
+        while waiting or active:
+            # Admit the longest run of waiting requests that fits.
+            take = []
+            free_slots = mgr.max_requests - len(active)
+            while waiting and len(take) < free_slots:
+                take.append(waiting.popleft())
+            while take:
+                try:
+                    slots = self.prefill([prompts[i] for i in take],
+                                         reserve_tokens=[int(budget[i]) for i in take])
+                    break
+                except (OutOfPagesError, OutOfSlotsError):
+                    waiting.appendleft(take.pop())
+            if take:
+                prefills += 1
+                for s, i in zip(slots, take):
+                    active[s] = i
+                    first_id[i] = self._slot_request[s]
+                    made[i] = 1
+            elif not active:
+                i = waiting[0]
+                raise OutOfPagesError(f"request {i} ({prompts[i].size} prompt + {int(budget[i])} new tokens) "
+                                      "does not fit an empty cache")
+            # Requests that are done leave; the rest take one decode step.
+            self._read(keep=fetch_lag)
+            now = time.perf_counter() - t0
+            for i in np.nonzero(np.isnan(ttft) & (first_id >= 0))[0]:
+                if self._tokens.get(int(first_id[i])):
+                    ttft[i] = now  # its first token is back on the host
+            for s, i in list(active.items()):
+                toks = self._tokens.get(int(first_id[i]), [])
+                if made[i] >= budget[i] or (eos_token_id is not None and eos_token_id in toks):
+                    del active[s]
+                    self._release(s)
+                    done.append(i)
+            if active:
+                self.decode(1, fetch_lag=fetch_lag)
+                steps += 1
+                for i in active.values():
+                    made[i] += 1
+        self._read(keep=0)
+        for i in done:
+            collect(i, self._tokens.pop(int(first_id[i]), []))
+        for i in np.nonzero(np.isnan(ttft))[0]:
+            ttft[i] = time.perf_counter() - t0  # first token read only at the end
+        self.stream_stats = {"requests": n, "decode_steps": steps, "prefill_steps": prefills,
+                             "prefill_buckets": len(self.prefill_shapes),
+                             "wall_s": time.perf_counter() - t0,
+                             "tokens": int(sum(len(o) for o in out)), "ttft_s": ttft.tolist()}
+        return out
 
     # ---- token transfer --------------------------------------------------------
     def _queue(self, row_slot: np.ndarray, emitted: jax.Array) -> None:
         emitted.copy_to_host_async()
-        self._unread.append((row_slot, emitted))
+        row_request = np.where(row_slot >= 0, self._slot_request[np.maximum(row_slot, 0)], -1)
+        self._unread.append((row_request, emitted))
 
     def _read(self, keep: int) -> None:
         while len(self._unread) > keep:
-            row_slot, emitted = self._unread.popleft()
-            toks = np.asarray(emitted).reshape(-1, row_slot.size)  # [steps, rows]
+            row_request, emitted = self._unread.popleft()
+            toks = np.asarray(emitted).reshape(-1, row_request.size)  # [steps, rows]
             for step_toks in toks:
-                for s, t in zip(row_slot, step_toks):
-                    if s >= 0 and t >= 0:
-                        self.outputs[int(s)].append(int(t))
+                for r, t in zip(row_request, step_toks):
+                    if r >= 0 and t >= 0:
+                        self._tokens[int(r)].append(int(t))

@@ -15,6 +15,7 @@ Per backend ('auto' = the FFI kernel of this platform, and 'reference'):
 
     python benchmarks/bench_decode.py                  # GPU, batch 64 x 4096
     python benchmarks/bench_decode.py --small          # quick CPU run of the same code
+    python benchmarks/bench_decode.py --stream 256     # also a stream of 256 requests through the slots
 """
 
 from __future__ import annotations
@@ -100,6 +101,52 @@ def measure(model, args, backend):
     }
 
 
+def measure_stream(model, args) -> dict:
+    """`Generator.serve` of --stream requests (random prompt and output lengths) through --batch slots,
+    against the steady-state host-planned decode of --batch requests of the mean length."""
+    rng = np.random.default_rng(0)
+    n = args.stream
+    prompts = [rng.integers(0, model.cfg.vocab_size, rng.integers(args.prompt_min, args.prompt_max + 1)).tolist()
+               for _ in range(n)]
+    new = rng.integers(args.new_min, args.new_max + 1, n)
+    longest = args.prompt_max + args.new_max
+    pages_per_request = -(-longest // args.page_size)
+    mgr = PagedCacheManager(num_pages=args.batch * pages_per_request, page_size=args.page_size,
+                            max_requests=args.batch, max_pages_per_request=pages_per_request)
+    gen = Generator(model, mgr, backend="auto", min_token_bucket=args.batch)
+    gen.serve(prompts, new)  # compiles every bucket the stream touches
+    compiles = dict(gen.traces)
+    gen.timings.clear()
+    out = gen.serve(prompts, new)  # the same stream again: timed
+    st = gen.stream_stats
+    assert [len(o) for o in out] == new.tolist()
+    stream_tps = st["tokens"] / st["wall_s"]
+
+    # Steady state: --batch requests of the stream's mean final length, host-planned decode.
+    context = int(np.mean([len(p) for p in prompts]) + new.mean() / 2)
+    steady_args = argparse.Namespace(**{**vars(args), "context": context})
+    steady = fresh_generator(model, steady_args, "auto", seed=3)
+    steady.decode(4)
+    jax.block_until_ready(steady.caches)
+    t0 = time.perf_counter()
+    steady.decode(args.host_steps, fetch_lag=4)
+    steady.results()
+    steady_tps = args.batch / ((time.perf_counter() - t0) / args.host_steps)
+    ttft = np.asarray(st["ttft_s"]) * 1e3
+    return {
+        "requests": n, "slots": args.batch, "prompt_len": [args.prompt_min, args.prompt_max],
+        "new_tokens": [args.new_min, args.new_max], "tokens": st["tokens"],
+        "tokens_per_s": stream_tps, "steady_tokens_per_s": steady_tps, "steady_context": context,
+        "ratio_to_steady": stream_tps / steady_tps,
+        "ttft_ms_median": float(np.median(ttft)), "ttft_ms_p90": float(np.percentile(ttft, 90)),
+        "compilations": compiles, "prefill_buckets": st["prefill_buckets"],
+        "decode_steps": st["decode_steps"], "prefill_steps": st["prefill_steps"],
+        "host_plan_us": 1e6 * float(np.median(gen.timings["plan_s"])),
+        "host_dispatch_us": 1e6 * float(np.median(gen.timings["dispatch_s"])),
+        "h2d_bytes_per_decode_step": int(np.median(gen.timings["h2d_bytes"])),
+    }
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="tiny shapes for a CPU check of the script")
@@ -112,9 +159,17 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--host-steps", type=int, help="steps of the host-planned loop")
     p.add_argument("--json", default="bench_decode.json", help="where to write the results")
+    p.add_argument("--stream", type=int, default=0,
+                   help="also serve this many requests through --batch slots (Generator.serve)")
+    p.add_argument("--prompt-min", type=int)
+    p.add_argument("--prompt-max", type=int)
+    p.add_argument("--new-min", type=int)
+    p.add_argument("--new-max", type=int)
     args = p.parse_args(argv)
-    small = dict(batch=4, context=200, layers=2, chain=4, host_steps=8)
-    full = dict(batch=64, context=4096, layers=4, chain=16, host_steps=32)
+    small = dict(batch=4, context=200, layers=2, chain=4, host_steps=8, prompt_min=4, prompt_max=40, new_min=2,
+                 new_max=12)
+    full = dict(batch=64, context=4096, layers=4, chain=16, host_steps=32, prompt_min=64, prompt_max=1024,
+                new_min=64, new_max=512)
     for k, v in (small if args.small else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -152,6 +207,16 @@ def main(argv=None):
     out = {"device": f"{dev.platform} {dev.device_kind}", "jax": jax.__version__, "host": platform.node(),
            "auto_backend": resolved,
            "args": vars(args), "speedup_device_time": speedup, "results": results}
+    if args.stream:
+        st = measure_stream(model, args)
+        out["stream"] = st
+        print(f"\nstream: {st['requests']} requests (prompts {args.prompt_min}-{args.prompt_max}, "
+              f"{args.new_min}-{args.new_max} new tokens) through {st['slots']} slots: "
+              f"{st['tokens_per_s']:.0f} tokens/s = {st['ratio_to_steady']:.2f}x steady-state decode at that "
+              f"batch ({st['steady_tokens_per_s']:.0f}); time to first token median {st['ttft_ms_median']:.1f} ms, "
+              f"p90 {st['ttft_ms_p90']:.1f} ms; compilations {st['compilations']} "
+              f"({st['prefill_buckets']} prefill buckets); host per decode step: plan {st['host_plan_us']:.0f} us, "
+              f"dispatch {st['host_dispatch_us']:.0f} us, H2D {st['h2d_bytes_per_decode_step']} bytes")
     with open(args.json, "w") as f:
         json.dump(out, f, indent=2)
     print(f"wrote {args.json}")

@@ -4,9 +4,12 @@ Builds the model (random weights, or an HF DeepSeek-V2/V3 checkpoint with --hf),
 prefills a batch of prompts of different lengths, decodes --new-tokens tokens per
 prompt with the host-planned loop (progress bar), repeats the decode with the fully
 jitted loop, and checks both against the same model on the jnp reference attention.
+With --stream N it also serves N requests through the slots (admitted and finished
+between steps) and checks them against the reference too.
 
     python examples/demo.py                 # CPU here; the GPU when JAX has one
     python examples/demo.py --hf /path/to/checkpoint --new-tokens 32
+    python examples/demo.py --stream 64     # a longer stream of requests through the --batch slots (0: none)
 """
 
 from __future__ import annotations
@@ -46,6 +49,25 @@ def make_manager(args, max_len: int) -> PagedCacheManager:
                              max_requests=args.batch, max_pages_per_request=pages_per_request)
 
 
+def serve_stream(model, args, cache, rng) -> bool:
+    """A stream of requests through the slots, on the chosen backend and on the reference; same tokens?"""
+    n = args.stream
+    s_lens = rng.integers(args.min_prompt, args.max_prompt + 1, n)
+    prompts = [rng.integers(0, model.cfg.vocab_size, k).tolist() for k in s_lens]
+    new = rng.integers(1, args.new_tokens + 1, n)
+    max_len = args.max_prompt + args.new_tokens
+    gen = Generator(model, make_manager(args, max_len), backend=args.backend, **cache)
+    out = gen.serve(prompts, new)
+    st = gen.stream_stats
+    ref = Generator(model, make_manager(args, max_len), backend="reference", **cache).serve(prompts, new)
+    same = out == ref
+    print(f"stream: {n} requests ({s_lens.min()}..{s_lens.max()} prompt tokens, 1..{args.new_tokens} new) through "
+          f"{args.batch} slots: {st['prefill_steps']} prefill and {st['decode_steps']} decode steps, "
+          f"{st['tokens'] / st['wall_s']:,.0f} tokens/s (includes compiles: {dict(gen.traces)}), time to first "
+          f"token median {1e3 * float(np.median(st['ttft_s'])):.0f} ms; tokens identical to the reference path: {same}")
+    return same
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hf", metavar="PATH", help="HF DeepSeek-V2/V3 checkpoint folder (dense layers only)")
@@ -61,6 +83,9 @@ def main(argv=None) -> int:
                    help="latent cache dtype (default: --dtype); float8_e4m3fn: FP8 ckv with a per-layer scale")
     p.add_argument("--kv-scale", type=float, default=1.0, help="the FP8 cache's scale (value = fp8 x scale)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream", type=int, default=16, metavar="N",
+                   help="also serve N requests of random prompt and output lengths through the --batch slots "
+                        "(Generator.serve: admitted and finished between steps), checked against the reference")
     args = p.parse_args(argv)
     dtype = jnp.dtype(args.dtype)
     kv_dtype = jnp.dtype(args.kv_cache_dtype or args.dtype)
@@ -150,8 +175,11 @@ def main(argv=None) -> int:
     print(f"request 0 continues with: {out[slots[0]][:16]}{' ...' if len(out[slots[0]]) > 16 else ''}")
     tol = 1e-3 if dtype == jnp.float32 and kv_dtype == jnp.float32 else 5e-2
     ok = same_host and same_jit and diff <= tol * max(scale, 1.0)
+    if args.stream:
+        ok = serve_stream(model, args, cache, rng) and ok
     if ok:
-        print(f"PASS: both loops match the reference attention path (logit tolerance {tol * max(scale, 1.0):.3g})")
+        what = "both loops and the stream match" if args.stream else "both loops match"
+        print(f"PASS: {what} the reference attention path (logit tolerance {tol * max(scale, 1.0):.3g})")
     else:
         print(f"FAIL: mismatch against the reference attention path (tokens identical: host-planned "
               f"{same_host}, jitted {same_jit}; logit difference {diff:.3g} > {tol * max(scale, 1.0):.3g})")

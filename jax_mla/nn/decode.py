@@ -465,7 +465,8 @@ class Generator:
 
         Requests wait in arrival order; between decode steps the ones that fit (a free slot and
         pages for prompt + max_new_tokens, taken at admission) are admitted and prefilled in one
-        step, and requests that are done leave (their slot and pages are reused at once). A request
+        step, and requests that are done leave (their slot and pages are reused at once).
+        Requests already in the Generator keep decoding alongside and stay when it returns. A request
         is done after max_new_tokens tokens (the first comes from its prefill), known on the host
         without reading the device; with eos_token_id also when it emits that token, seen
         `fetch_lag` steps late (tokens after it are dropped). Steps are host-planned as in `decode`;
@@ -498,7 +499,7 @@ class Generator:
         while waiting or active:
             # Admit the longest run of waiting requests that fits.
             take = []
-            free_slots = mgr.max_requests - len(active)
+            free_slots = mgr.max_requests - mgr.active_slots.size  # other requests may hold slots too
             while waiting and len(take) < free_slots:
                 take.append(waiting.popleft())
             while take:

@@ -89,7 +89,28 @@ def measure(model, args, backend):
     jax.block_until_ready(gen.caches)
     loop = (time.perf_counter() - t0) / args.host_steps
     gen.results()
+    med = {k: 1e6 * float(np.median(v)) for k, v in gen.timings.items() if k.endswith("_s")}
+    # Dispatch = handing the step's arguments to the compiled program + launching it. A program with
+    # the same arguments that does nothing with the big ones separates the two.
+    mgr = gen.manager
+    _, qo, num_tokens, _ = gen._decode_rows()
+    plan = mgr.plan(qo, mgr.lengths + qo, num_heads=gen.local_heads, num_tokens=num_tokens)
+    host, _, _ = gen._pack(plan, kv_lens=mgr.lengths + qo)
+    args_only = jax.jit(lambda params, caches, table, host, tokens, rng: tokens + host[0, 0])
+    call = (gen.params, gen.caches, mgr.device_page_table, host, gen.next_tokens, gen.rng)
+    jax.block_until_ready(args_only(*call))
+    t_args = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        r = args_only(*call)
+        t_args.append(time.perf_counter() - t0)
+        jax.block_until_ready(r)
+    args_us = 1e6 * float(np.median(t_args))
+    breakdown = {"reserve_us": med["reserve_s"], "plan_mla_us": med["plan_mla_s"], "sync_us": med["sync_s"],
+                 "pack_and_transfer_us": med["pack_s"], "dispatch_arguments_us": args_us,
+                 "dispatch_launch_us": med["dispatch_s"] - args_us, "arguments": len(jax.tree.leaves(call))}
     return logits, {
+        "host_breakdown": breakdown,
         "device_ms_per_step": 1e3 * float(np.median(per_step)),
         "device_ms_per_step_all": [1e3 * x for x in per_step],
         "host_plan_us": 1e6 * float(np.median(gen.timings["plan_s"])),
@@ -201,6 +222,11 @@ def main(argv=None):
         print(f"{backend:<10} {r['device_ms_per_step']:>15.3f} {r['host_plan_us']:>9.0f} "
               f"{r['host_dispatch_us']:>12.0f} {r['loop_ms_per_step']:>13.3f} {gbs:>9.1f} "
               f"{r['logits_rel_err_vs_reference']:>9.2e}")
+    b = results["auto"]["host_breakdown"]
+    print(f"\nhost per step ('auto'): reserve {b['reserve_us']:.0f} us, plan_mla {b['plan_mla_us']:.0f} us, "
+          f"page-table sync {b['sync_us']:.0f} us, pack + transfer {b['pack_and_transfer_us']:.0f} us; dispatch: "
+          f"{b['dispatch_arguments_us']:.0f} us handing over {b['arguments']} arguments (a no-op program with "
+          f"the same arguments), {b['dispatch_launch_us']:.0f} us launching the step")
     speedup = results["reference"]["device_ms_per_step"] / results["auto"]["device_ms_per_step"]
     print(f"\nour op vs reference, device time per decode step: {speedup:.2f}x")
     print("(kv GB/s = cached kv bytes of all layers / whole-step device time: a lower bound for the attention op)")

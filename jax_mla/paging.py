@@ -193,6 +193,8 @@ class PagedCacheManager:
         ValueError (a request would outgrow its page-table row) leave every
         structure unchanged.
         """
+        if self._holds_pages_for(slots, new_tokens):
+            return  # most decode steps
         slots = self._slots(slots)
         new = self._counts(new_tokens, slots.shape)
         want = self.lengths[slots] + new
@@ -210,8 +212,22 @@ class PagedCacheManager:
         if grow.any():
             self._allocate(slots[grow].tolist(), want[grow])
 
+    def _holds_pages_for(self, slots, new_tokens) -> bool:
+        """The decode loop's fast path: slots is an int array of active slots and each already has
+        pages for new_tokens (a non-negative int) more tokens. False sends the caller through the
+        full checks (which also raise for bad arguments)."""
+        if (type(slots) is not np.ndarray or slots.dtype.kind not in "iu" or slots.ndim != 1 or not slots.size
+                or isinstance(new_tokens, (bool, np.bool_)) or not isinstance(new_tokens, (int, np.integer))
+                or new_tokens < 0 or slots.min() < 0 or slots.max() >= self.max_requests):
+            return False
+        return bool(self.active[slots].all()
+                    and (self.lengths[slots] + new_tokens <= self.pages_held[slots] * self.page_size).all())
+
     def commit(self, slots: Sequence[int], new_tokens: Sequence[int] | int) -> None:
         """Record that `new_tokens` tokens were written for each slot (after the step ran)."""
+        if self._holds_pages_for(slots, new_tokens):
+            self.lengths[slots] += new_tokens
+            return
         slots = self._slots(slots)
         want = self.lengths[slots] + self._counts(new_tokens, slots.shape)
         short = np.nonzero(want > self.pages_held[slots] * self.page_size)[0]

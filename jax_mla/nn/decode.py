@@ -383,8 +383,11 @@ class Generator:
             t0 = time.perf_counter()
             mgr.reserve(slots, 1)
             kv = mgr.lengths + qo
+            ta = time.perf_counter()
             plan = mgr.plan(qo, kv, num_heads=self.local_heads, num_tokens=num_tokens)
+            tb = time.perf_counter()
             page_table = mgr.sync()
+            tc = time.perf_counter()
             host, layout, static = self._pack(plan, kv_lens=kv)
             t1 = time.perf_counter()
             with jax.transfer_guard_device_to_host("disallow"):
@@ -393,7 +396,13 @@ class Generator:
                     plan_static=static, with_logits=with_logits)
             t2 = time.perf_counter()
             mgr.commit(slots, 1)
+            # plan_s is the host work before the dispatch; its parts: reserve_s (pages), plan_mla_s,
+            # sync_s (page-table changes sent), pack_s (the step's host buffer, and its transfer).
             self.timings["plan_s"].append(t1 - t0)
+            self.timings["reserve_s"].append(ta - t0)
+            self.timings["plan_mla_s"].append(tb - ta)
+            self.timings["sync_s"].append(tc - tb)
+            self.timings["pack_s"].append(t1 - tc)
             self.timings["dispatch_s"].append(t2 - t1)
             self.timings["h2d_bytes"].append(host.nbytes + 12 * mgr.last_sync_entries)
             self._queue(row_slot, emitted)

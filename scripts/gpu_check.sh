@@ -75,7 +75,7 @@ built=$status
 if has decode && [ $built -eq 0 ]; then
   # Issue 4's benchmark: jitted decode step of a V2-Lite-shaped stack, our op vs the reference.
   note "bench_decode"
-  timeout ${DECODE_TIMEOUT:-180} python3 benchmarks/bench_decode.py --json "$OUT/bench_decode.json" 2>&1 \
+  timeout ${DECODE_TIMEOUT:-180} python3 benchmarks/bench_decode.py --json "$OUT/bench_decode.json" ${DECODE_ARGS:-} 2>&1 \
     | tee "$LOGS/bench_decode.log" | tail -20
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi

@@ -49,7 +49,7 @@ def make_manager(args, max_len: int) -> PagedCacheManager:
                              max_requests=args.batch, max_pages_per_request=pages_per_request)
 
 
-def serve_stream(model, args, cache, rng) -> bool:
+def serve_stream(model, args, cache, rng, tol: float) -> bool:
     """A stream of requests through the slots, on the chosen backend and on the reference; same tokens?"""
     n = args.stream
     s_lens = rng.integers(args.min_prompt, args.max_prompt + 1, n)
@@ -60,12 +60,25 @@ def serve_stream(model, args, cache, rng) -> bool:
     out = gen.serve(prompts, new)
     st = gen.stream_stats
     ref = Generator(model, make_manager(args, max_len), backend="reference", **cache).serve(prompts, new)
-    same = out == ref
+    # Greedy decoding follows the reference token for token, except where the reference itself has a
+    # near tie (two tokens within the logit tolerance): kernels that round differently (bf16 / TF32 on
+    # a GPU) may then take the other one, and the sequences part. Check that every parting is such a tie.
+    same = sum(o == r for o, r in zip(out, ref))
+    ties_ok = True
+    for p, o, r in zip(prompts, out, ref):
+        if o == r:
+            continue
+        k = next(j for j in range(min(len(o), len(r))) if o[j] != r[j])
+        probe = Generator(model, make_manager(args, max_len), backend="reference", **cache)
+        (s,), logits = probe.prefill([p + r[:k]], with_logits=True)
+        row = np.asarray(logits)[s]
+        ties_ok &= bool(row[r[k]] - row[o[k]] <= tol * max(float(np.abs(row).max()), 1.0))
     print(f"stream: {n} requests ({s_lens.min()}..{s_lens.max()} prompt tokens, 1..{args.new_tokens} new) through "
           f"{args.batch} slots: {st['prefill_steps']} prefill and {st['decode_steps']} decode steps, "
           f"{st['tokens'] / st['wall_s']:,.0f} tokens/s (includes compiles: {dict(gen.traces)}), time to first "
-          f"token median {1e3 * float(np.median(st['ttft_s'])):.0f} ms; tokens identical to the reference path: {same}")
-    return same
+          f"token median {1e3 * float(np.median(st['ttft_s'])):.0f} ms; requests identical to the reference path: "
+          f"{same}/{n}" + ("" if same == n else f" (the others part at near ties: {ties_ok})"))
+    return ties_ok
 
 
 def main(argv=None) -> int:
@@ -176,7 +189,7 @@ def main(argv=None) -> int:
     tol = 1e-3 if dtype == jnp.float32 and kv_dtype == jnp.float32 else 5e-2
     ok = same_host and same_jit and diff <= tol * max(scale, 1.0)
     if args.stream:
-        ok = serve_stream(model, args, cache, rng) and ok
+        ok = serve_stream(model, args, cache, rng, tol) and ok
     if ok:
         what = "both loops and the stream match" if args.stream else "both loops match"
         print(f"PASS: {what} the reference attention path (logit tolerance {tol * max(scale, 1.0):.3g})")

@@ -99,7 +99,8 @@ def measure_generator(model, args, mesh, requests: int) -> dict:
     jax.block_until_ready(gen.caches)
     loop = (time.perf_counter() - t0) / args.host_steps
     step = float(np.median(per_step))
-    return {"requests": requests, "device_ms_per_step": 1e3 * step, "device_ms_per_step_all": [1e3 * x for x in per_step],
+    return {"requests": requests, "device_ms_per_step": 1e3 * step,
+            "device_ms_per_step_all": [1e3 * x for x in per_step],
             "tokens_per_s": requests / step, "host_loop_ms_per_step": 1e3 * loop, "traces": dict(gen.traces),
             "first_step_logits": first}
 

@@ -49,6 +49,24 @@ def make_manager(args, max_len: int) -> PagedCacheManager:
                              max_requests=args.batch, max_pages_per_request=pages_per_request)
 
 
+def parts_at_near_ties(model, args, cache, max_len, prompts, outs, refs, tol) -> bool:
+    """Greedy decoding follows the reference token for token, except where the reference itself has a
+    near tie (two tokens within the logit tolerance): kernels that round differently (bf16 / TF32 on a
+    GPU) may then take the other one, and the sequences part. True if every parting is such a tie."""
+    ok = True
+    for p, o, r in zip(prompts, outs, refs):
+        if o == r:
+            continue
+        k = next((j for j in range(min(len(o), len(r))) if o[j] != r[j]), None)
+        if k is None:  # one is a prefix of the other: a length bug, never a tie
+            return False
+        probe = Generator(model, make_manager(args, max_len), backend="reference", **cache)
+        (s,), logits = probe.prefill([list(p) + list(r[:k])], with_logits=True)
+        row = np.asarray(logits)[s]
+        ok &= bool(row[r[k]] - row[o[k]] <= tol * max(float(np.abs(row).max()), 1.0))
+    return ok
+
+
 def serve_stream(model, args, cache, rng, tol: float) -> bool:
     """A stream of requests through the slots, on the chosen backend and on the reference; same tokens?"""
     n = args.stream
@@ -60,19 +78,8 @@ def serve_stream(model, args, cache, rng, tol: float) -> bool:
     out = gen.serve(prompts, new)
     st = gen.stream_stats
     ref = Generator(model, make_manager(args, max_len), backend="reference", **cache).serve(prompts, new)
-    # Greedy decoding follows the reference token for token, except where the reference itself has a
-    # near tie (two tokens within the logit tolerance): kernels that round differently (bf16 / TF32 on
-    # a GPU) may then take the other one, and the sequences part. Check that every parting is such a tie.
     same = sum(o == r for o, r in zip(out, ref))
-    ties_ok = True
-    for p, o, r in zip(prompts, out, ref):
-        if o == r:
-            continue
-        k = next(j for j in range(min(len(o), len(r))) if o[j] != r[j])
-        probe = Generator(model, make_manager(args, max_len), backend="reference", **cache)
-        (s,), logits = probe.prefill([p + r[:k]], with_logits=True)
-        row = np.asarray(logits)[s]
-        ties_ok &= bool(row[r[k]] - row[o[k]] <= tol * max(float(np.abs(row).max()), 1.0))
+    ties_ok = parts_at_near_ties(model, args, cache, max_len, prompts, out, ref, tol)
     print(f"stream: {n} requests ({s_lens.min()}..{s_lens.max()} prompt tokens, 1..{args.new_tokens} new) through "
           f"{args.batch} slots: {st['prefill_steps']} prefill and {st['decode_steps']} decode steps, "
           f"{st['tokens'] / st['wall_s']:,.0f} tokens/s (includes compiles: {dict(gen.traces)}), time to first "
@@ -174,28 +181,35 @@ def main(argv=None) -> int:
     ref_logits = [np.asarray(x) for x in gen_r.decode(steps, with_logits=True)]
     out_r = gen_r.results()
     n = args.batch
-    diff = max(float(np.abs(a[:n] - b[:n]).max()) for a, b in zip(logits, ref_logits)) if steps else 0.0
+    # Step j's logits are compared for the requests whose tokens so far equal the reference's (after
+    # a parting at a near tie the inputs differ); partings must be near ties (parts_at_near_ties).
+    rows = np.argsort(np.argsort(slots))  # request i's row in a step's logits: rows are in slot order
+    diff = max([float(np.abs(a[rows[i]] - b[rows[i]]).max()) for j, (a, b) in enumerate(zip(logits, ref_logits))
+                for i, s in enumerate(slots) if out[s][: j + 1] == out_r[s][: j + 1]], default=0.0)
     scale = max(float(np.abs(b[:n]).max()) for b in ref_logits) if steps else 1.0
-    same_host = all(out[s] == out_r[s] for s in slots)
-    same_jit = all(out_j[s] == out_r[s] for s in slots)
+    same_host = sum(out[s] == out_r[s] for s in slots)
+    same_jit = sum(out_j[s] == out_r[s] for s in slots)
+    tol = 1e-3 if dtype == jnp.float32 and kv_dtype == jnp.float32 else 5e-2
+    ties = parts_at_near_ties(model, args, cache, max_len, prompts * 2,
+                              [out[s] for s in slots] + [out_j[s] for s in slots], [out_r[s] for s in slots] * 2, tol)
 
     print(f"prefill: {int(lens.sum())} tokens in {t_prefill:.2f} s (includes compile)")
     print(f"decode, host-planned loop: {host_tps:,.0f} tokens/s (batch {n}, after the first step); "
           f"per step: plan {plan_us:.0f} us, dispatch {dispatch_us:.0f} us (medians)")
     print(f"decode, fully jitted loop: {jit_tps:,.0f} tokens/s ({half} steps in one jit)")
     print(f"max |logit difference| vs reference attention: {diff:.3g} (logits up to {scale:.3g})")
-    print(f"tokens identical to the reference path: host-planned {same_host}, jitted {same_jit}")
+    print(f"requests identical to the reference path: host-planned {same_host}/{n}, jitted {same_jit}/{n}"
+          + ("" if same_host == same_jit == n else f" (the others part at near ties: {ties})"))
     print(f"request 0 continues with: {out[slots[0]][:16]}{' ...' if len(out[slots[0]]) > 16 else ''}")
-    tol = 1e-3 if dtype == jnp.float32 and kv_dtype == jnp.float32 else 5e-2
-    ok = same_host and same_jit and diff <= tol * max(scale, 1.0)
+    ok = ties and diff <= tol * max(scale, 1.0)
     if args.stream:
         ok = serve_stream(model, args, cache, rng, tol) and ok
     if ok:
         what = "both loops and the stream match" if args.stream else "both loops match"
         print(f"PASS: {what} the reference attention path (logit tolerance {tol * max(scale, 1.0):.3g})")
     else:
-        print(f"FAIL: mismatch against the reference attention path (tokens identical: host-planned "
-              f"{same_host}, jitted {same_jit}; logit difference {diff:.3g} > {tol * max(scale, 1.0):.3g})")
+        print(f"FAIL: mismatch against the reference attention path (partings at near ties only: {ties}; "
+              f"logit difference {diff:.3g}, tolerance {tol * max(scale, 1.0):.3g})")
     return 0 if ok else 1
 
 

@@ -77,6 +77,18 @@ def _set_entries(table, rows, cols, values):
     return table.at[rows, cols].set(values, mode="drop", unique_indices=True)
 
 
+def slot_array(slots, num_slots: int) -> np.ndarray:
+    """slots as a 1-D int64 array of integers in [0, num_slots), or a ValueError naming the bad one."""
+    a = np.asarray(slots)
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"slots must be integers, got {slots!r}")
+    a = a.astype(np.int64).reshape(-1)
+    bad = np.nonzero((a < 0) | (a >= num_slots))[0]
+    if bad.size:
+        raise ValueError(f"slot {int(a[bad[0]])} is not in [0, {num_slots})")
+    return a
+
+
 class PagedCacheManager:
     """Page allocator, per-request page tables and lengths, and the device page table.
 
@@ -127,13 +139,7 @@ class PagedCacheManager:
     # ---- argument checks (every public method; nothing changes before they pass) ----
     def _slots(self, slots, *, active: bool = True) -> np.ndarray:
         """Slots as a 1-D int64 array: integers in [0, max_requests), holding a request if `active`."""
-        a = np.asarray(slots)
-        if a.size and a.dtype.kind not in "iu":
-            raise ValueError(f"slots must be integers, got {slots!r}")
-        a = a.astype(np.int64).reshape(-1)
-        bad = np.nonzero((a < 0) | (a >= self.max_requests))[0]
-        if bad.size:
-            raise ValueError(f"slot {int(a[bad[0]])} is not in [0, {self.max_requests})")
+        a = slot_array(slots, self.max_requests)
         if active:
             idle = np.nonzero(~self.active[a])[0]
             if idle.size:

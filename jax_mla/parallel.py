@@ -283,19 +283,13 @@ class ShardedCacheManager:
         key = (a.dtype.str, a.shape, a.tobytes())
         if self._last_split is not None and self._last_split[0] == key:
             return self._last_split[1]
-        groups = self._split_uncached(a, slots)
+        from .paging import slot_array
+
+        a = slot_array(slots, self.max_requests)
+        shard = a // self.slots_per_shard
+        groups = {int(d): a[shard == d] - d * self.slots_per_shard for d in np.unique(shard)}
         self._last_split = (key, groups)
         return groups
-
-    def _split_uncached(self, a, slots) -> dict[int, np.ndarray]:
-        if a.size and a.dtype.kind not in "iu":
-            raise ValueError(f"slots must be integers, got {slots!r}")
-        a = a.astype(np.int64).reshape(-1)
-        bad = np.nonzero((a < 0) | (a >= self.max_requests))[0]
-        if bad.size:
-            raise ValueError(f"slot {int(a[bad[0]])} is not in [0, {self.max_requests})")
-        shard = a // self.slots_per_shard
-        return {int(d): a[shard == d] - d * self.slots_per_shard for d in np.unique(shard)}
 
     def _groups(self, slots, new_tokens):
         """[(shard, local slots, their token counts)] for global slots and counts (one, or one each)."""

@@ -21,3 +21,18 @@ def fresh_prefill_logits(model, mgr: PagedCacheManager, prompts, *, num_tokens: 
                       form=form)
     start = np.cumsum(qo) - qo
     return [np.asarray(logits)[start[s]: start[s] + len(p)] for s, p in zip(slots, prompts)]
+
+
+def record_transfer_guard_levels(monkeypatch) -> list:
+    """The levels every jax.transfer_guard_device_to_host(...) call asks for, from now on."""
+    import jax
+
+    seen = []
+    real = jax.transfer_guard_device_to_host
+
+    def spy(level):
+        seen.append(level)
+        return real(level)
+
+    monkeypatch.setattr(jax, "transfer_guard_device_to_host", spy)
+    return seen

@@ -7,10 +7,9 @@ import pytest
 
 pytest.importorskip("flax", reason="jax_mla.nn needs flax (pip install .[nn])")
 
-import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from nn_util import fresh_prefill_logits  # noqa: E402
+from nn_util import fresh_prefill_logits, record_transfer_guard_levels  # noqa: E402
 from jax_mla.nn import (DeepseekConfig, DeepseekModel, Generator, PagedCacheManager,  # noqa: E402
                         RopeScaling)
 
@@ -130,14 +129,7 @@ def test_finished_slot_is_reused(model):
 def test_decode_step_runs_under_the_device_to_host_guard(model, monkeypatch):
     """The step is dispatched inside transfer_guard_device_to_host('disallow'). (On a GPU that
     guard rejects any device->host copy in the step; the CPU backend does not count any.)"""
-    seen = []
-    real = jax.transfer_guard_device_to_host
-
-    def spy(level):
-        seen.append(level)
-        return real(level)
-
-    monkeypatch.setattr(jax, "transfer_guard_device_to_host", spy)
+    seen = record_transfer_guard_levels(monkeypatch)
     gen = Generator(model, manager(), backend="auto")
     gen.prefill(PROMPTS)
     gen.decode(2)

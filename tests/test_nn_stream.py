@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("flax", reason="jax_mla.nn needs flax (pip install .[nn])")
 
-import jax  # noqa: E402
+from nn_util import record_transfer_guard_levels  # noqa: E402
 
 from test_nn_decode import tiny_model  # noqa: E402
 from jax_mla.nn import Generator, OutOfPagesError, PagedCacheManager  # noqa: E402
@@ -85,14 +85,7 @@ def test_stream_stops_at_eos(model, stream, alone_results):
 
 
 def test_stream_runs_steps_under_the_transfer_guard(model, stream, monkeypatch):
-    seen = []
-    real = jax.transfer_guard_device_to_host
-
-    def spy(level):
-        seen.append(level)
-        return real(level)
-
-    monkeypatch.setattr(jax, "transfer_guard_device_to_host", spy)
+    seen = record_transfer_guard_levels(monkeypatch)
     prompts, budget = stream
     gen = Generator(model, manager(), backend="auto")
     gen.serve(prompts[:5], budget[:5])

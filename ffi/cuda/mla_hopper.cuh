@@ -85,6 +85,30 @@ __device__ __forceinline__ void mbar_arrive_on_cp_async(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 #endif
 }
+// One arrival that also announces `bytes` more to come from bulk (TMA) copies
+// completing on this barrier: the phase ends when every arrival is in and the bytes have landed.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#endif
+}
+
+// ---- TMA (cp.async.bulk.tensor) -------------------------------------------------
+
+// A box of a 2-D tensor map (made on the host, mla_launch.cuh) at element
+// coordinates (column c0, row c1) into shared memory at dst; completion is
+// counted in bytes on the mbarrier. The map must live in parameter, constant or
+// global memory: the kernel takes it as a __grid_constant__ parameter.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c0, int c1, uint32_t bar) {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+      "[%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#endif
+}
+
 // Waits until the phase of the given parity has completed (acquire). A fresh
 // barrier is in phase 0, so waiting for parity 1 returns at once: that is how a
 // producer passes its first wait on an "empty" barrier.

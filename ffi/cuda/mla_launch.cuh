@@ -85,6 +85,50 @@ inline cudaError_t raise_smem_limit(std::atomic<int> (&cache)[kMaxDevices], Kern
   return err;
 }
 
+// cuTensorMapEncodeTiled from the driver, found once through the runtime (no
+// link against libcuda); null where the driver lacks it.
+inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
+  static const auto fn = []() -> decltype(&cuTensorMapEncodeTiled) {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<decltype(&cuTensorMapEncodeTiled)>(f);
+  }();
+  return fn;
+}
+
+// The wide body's TMA descriptors of the caches (a host computation: no device
+// work, legal during stream capture). Left disabled for fp8 caches (their keys go
+// through the portable body), page sizes below a key block, and where encoding fails.
+template <typename T, int kCache>
+inline KeyTensorMaps key_tensor_maps(const Problem& p) {
+  KeyTensorMaps maps = {};
+  maps.enabled = 0;
+  const uint64_t rows = (uint64_t)p.num_pages * (uint64_t)p.page_size;
+  if constexpr (kCache == kCacheAsQuery && (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>)) {
+    const auto encode = tensor_map_encoder();
+    if (encode == nullptr || p.page_size < WideSm90::BK || rows == 0 || rows > (1ull << 31)) return maps;
+    const CUtensorMapDataType type =
+        std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    auto make = [&](CUtensorMap* map, const void* data, uint64_t dims) {
+      const cuuint64_t size[2] = {dims, rows};
+      const cuuint64_t stride[1] = {dims * sizeof(T)};  // bytes between rows
+      const cuuint32_t box[2] = {64, WideSm90::BK};     // 64 dims (128 bytes) x one key block
+      const cuuint32_t step[2] = {1, 1};
+      return encode(map, type, 2, const_cast<void*>(data), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    };
+    maps.enabled = make(&maps.ckv, p.ckv, kDimCkv) && make(&maps.kpe, p.kpe, kDimKpe) ? 1 : 0;
+  }
+  return maps;
+}
+
 // The attention kernel: one block per work unit and head block. kCache: how the
 // cache is stored (mla_fp8.cuh; fp8 only with bf16 / fp16 queries).
 template <typename T, int kCache = kCacheAsQuery>
@@ -99,7 +143,8 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
       static std::atomic<int> raised[kMaxDevices] = {};
       const cudaError_t err = raise_smem_limit(raised, mla_attention_sm90_kernel<T, kCache>, kSm90SmemBytes);
       if (err != cudaSuccess) return err;
-      mla_attention_sm90_kernel<T, kCache><<<blocks, WideSm90::kThreads, kSm90SmemBytes, stream>>>(p);
+      mla_attention_sm90_kernel<T, kCache>
+          <<<blocks, WideSm90::kThreads, kSm90SmemBytes, stream>>>(p, key_tensor_maps<T, kCache>(p));
     } else {
       static std::atomic<int> raised[kMaxDevices] = {};
       const cudaError_t err = raise_smem_limit(raised, mla_attention_kernel<T, kCache>, kAttentionSmemBytes);

@@ -45,6 +45,8 @@
 // Split units write float32 partials for the merge kernel, as every body does.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a type only: the encoder is reached through the runtime)
+
 #include "mla_common.cuh"
 #include "mla_hopper.cuh"
 #include "mla_attention_kernel.cuh"
@@ -118,10 +120,21 @@ struct WideSm90 {
   static_assert(2 * PBYTES <= QPANEL, "P_A and P_B fit in the queries' rope panel");
 };
 
+// TMA descriptors of the two caches seen as 2-D tensors of rows (ckv [P * ps, 512],
+// kpe [P * ps, 64]) with a box of 32 rows x 64 dims in the 128-byte swizzle the
+// stage panels use. Made on the host for every launch (mla_launch.cuh); `enabled`
+// is 0 where they could not be made, or the page size is below a key block.
+struct KeyTensorMaps {
+  CUtensorMap ckv;
+  CUtensorMap kpe;
+  int enabled;
+};
+
 // ---- producer -------------------------------------------------------------------
 
 template <typename T>
-__device__ __forceinline__ void wide_producer(const Problem& p, const Unit& u, int h0, int hb, uint32_t base) {
+__device__ __forceinline__ void wide_producer(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
+                                              int hb, uint32_t base) {
   using W = WideSm90;
   const int tid = threadIdx.x;  // 0..127
   const int warp = tid >> 5, lane = tid & 31;
@@ -167,6 +180,14 @@ __device__ __forceinline__ void wide_producer(const Problem& p, const Unit& u, i
     const bool ok = key_base + key_in_block < u.range_end && page >= 0 && page < p.num_pages;
     const uint32_t ok_bits = __ballot_sync(0xffffffffu, ok) & 0xffu;  // bit j: key w + 4j
     const uint32_t st = W::stage_addr(base, stage);
+    // A block of 32 valid keys inside one page is one TMA box per panel, issued by
+    // thread 0 (bytes counted on the full barriers); the rest (page sizes below 32,
+    // a unit's partial last block, bad page ids) is gathered row by row. Uniform over
+    // the warpgroup: the keys' page is one page, so every warp sees the same ok_bits.
+    const int in_page = key_base & (p.page_size - 1);
+    const bool tma = maps.enabled && in_page + W::BK <= p.page_size && key_base + W::BK <= u.range_end &&
+                     ok_bits == 0xffu;
+    const int tma_row = __shfl_sync(0xffffffffu, page, 0) * p.page_size + in_page;
     // Row (slot) of the key that lane `j` of this warp describes; 0 when invalid (not read).
     auto slot_of = [&](int j) -> size_t {
       const int pg = __shfl_sync(0xffffffffu, page, j);
@@ -190,6 +211,16 @@ __device__ __forceinline__ void wide_producer(const Problem& p, const Unit& u, i
                        : "memory");
         }
         __syncwarp();  // lane 0's arrival below publishes the whole warp's flags
+        if (tma) {
+          if (tid == 0) {
+            mbar_arrive_expect_tx(W::full_bar(base, stage, W::kRope), W::KPANEL);
+            tma_load_2d(st + W::ROPE_PANEL * W::KPANEL, &maps.kpe, 0, tma_row, W::full_bar(base, stage, W::kRope));
+          } else {
+            mbar_arrive(W::full_bar(base, stage, W::kRope));
+          }
+          if (lane == 0) mbar_arrive(W::full_bar(base, stage, W::kRope));  // publishes the mask
+          continue;
+        }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const int j = 4 * i + (lane >> 3), c = lane & 7, kl = warp + 4 * j;
@@ -199,6 +230,18 @@ __device__ __forceinline__ void wide_producer(const Problem& p, const Unit& u, i
         }
         mbar_arrive_on_cp_async(W::full_bar(base, stage, W::kRope));
         if (lane == 0) mbar_arrive(W::full_bar(base, stage, W::kRope));  // publishes the mask
+      } else if (tma) {
+        // Four panels of 64 dims: dims 0-255 (left) or 256-511 (right).
+        const int panel0 = group == W::kLeft ? 0 : 4;
+        if (tid == 0) {
+          mbar_arrive_expect_tx(W::full_bar(base, stage, group), 4 * W::KPANEL);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            tma_load_2d(st + (panel0 + i) * W::KPANEL, &maps.ckv, (panel0 + i) * 64, tma_row,
+                        W::full_bar(base, stage, group));
+        } else {
+          mbar_arrive(W::full_bar(base, stage, group));
+        }
       } else {
         const int c = (group == W::kLeft ? 0 : 32) + lane;  // one key's 512 bytes per warp instruction
 #pragma unroll 4
@@ -600,7 +643,7 @@ static_assert(kSm90SmemBytes <= 227 * 1024, "one block per SM must fit");
 // finds the keys in L2); 384 threads. The register cap of 168 at entry is what
 // lets the warpgroups move registers between them (setmaxnreg).
 template <typename T, int kCache = kCacheAsQuery>
-__global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kernel(const Problem p) {
+__global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kernel(const Problem p, const __grid_constant__ KeyTensorMaps maps) {
   extern __shared__ __align__(16) char smem[];  // aligned to 1024 below
   allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
   const int unit_index = blockIdx.x / p.head_blocks;
@@ -649,7 +692,7 @@ __global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kern
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);  // warp-uniform, as wgmma needs
     if (wg == 0) {
       release_registers<40>();
-      wide_producer<T>(p, u, h0, hb, base);
+      wide_producer<T>(p, maps, u, h0, hb, base);
     } else {
       claim_registers<232>();
       if (wg == 1) {

@@ -44,7 +44,7 @@ def v2_lite_attention_config(layers: int, heads: int) -> DeepseekConfig:
 
 def fresh_generator(model, args, backend, seed):
     """A generator whose requests already hold `context` tokens of random latents."""
-    slack = (1 + args.repeats) * args.chain + args.host_steps + 2
+    slack = (1 + args.repeats) * args.chain + 2 * args.host_steps + 2 * args.steps_per_dispatch + 4
     pages_per_request = -(-(args.context + slack) // args.page_size)
     mgr = PagedCacheManager(num_pages=args.batch * pages_per_request, page_size=args.page_size,
                             max_requests=args.batch, max_pages_per_request=pages_per_request)
@@ -81,15 +81,22 @@ def measure(model, args, backend):
         jax.block_until_ready(gen.caches)
         per_step.append((time.perf_counter() - t0) / args.chain)
 
-    gen.decode(2)  # compile the single step
-    jax.block_until_ready(gen.caches)
-    gen.timings.clear()
-    t0 = time.perf_counter()
-    gen.decode(args.host_steps, fetch_lag=args.host_steps + 1)
-    jax.block_until_ready(gen.caches)
-    loop = (time.perf_counter() - t0) / args.host_steps
-    gen.results()
-    med = {k: 1e6 * float(np.median(v)) for k, v in gen.timings.items() if k.endswith("_s")}
+    def host_loop(k):
+        """The host-planned loop, k steps per dispatch: medians of the per-step host times, loop wall
+        time per step."""
+        gen.decode(2 * k, steps_per_dispatch=k)  # compile
+        jax.block_until_ready(gen.caches)
+        gen.timings.clear()
+        t0 = time.perf_counter()
+        gen.decode(args.host_steps, fetch_lag=args.host_steps + 1, steps_per_dispatch=k)
+        jax.block_until_ready(gen.caches)
+        loop = (time.perf_counter() - t0) / args.host_steps
+        gen.results()
+        med = {name: 1e6 * float(np.median(v)) for name, v in gen.timings.items() if name.endswith("_s")}
+        return med, loop, int(np.median(gen.timings["h2d_bytes"]))
+
+    med_k, loop_k, h2d_k = host_loop(args.steps_per_dispatch)
+    med, loop, h2d = host_loop(1)
     # Dispatch = handing the step's arguments to the compiled program + launching it. A program with
     # the same arguments that does nothing with the big ones separates the two.
     mgr = gen.manager
@@ -110,14 +117,20 @@ def measure(model, args, backend):
                  "pack_and_transfer_us": med["pack_s"], "dispatch_arguments_us": args_us,
                  "dispatch_launch_us": med["dispatch_s"] - args_us, "arguments": len(jax.tree.leaves(call))}
     return logits, {
-        "host_breakdown": breakdown,
         "device_ms_per_step": 1e3 * float(np.median(per_step)),
         "device_ms_per_step_all": [1e3 * x for x in per_step],
-        "host_plan_us": 1e6 * float(np.median(gen.timings["plan_s"])),
-        "host_dispatch_us": 1e6 * float(np.median(gen.timings["dispatch_s"])),
-        "loop_ms_per_step": 1e3 * loop,
+        # The host-planned loop with --steps-per-dispatch steps per dispatch: host times per step
+        # (a dispatch's time / its steps).
+        "steps_per_dispatch": args.steps_per_dispatch,
+        "host_plan_us": med_k["plan_s"],
+        "host_dispatch_us": med_k["dispatch_s"],
+        "loop_ms_per_step": 1e3 * loop_k,
         # The step's one packed host buffer (plan tables + lengths) and the page-table entries sent.
-        "h2d_bytes_per_step_plan_and_lengths": int(np.median(gen.timings["h2d_bytes"])),
+        "h2d_bytes_per_step_plan_and_lengths": h2d_k,
+        # One step per dispatch: the same, and where its host time goes.
+        "one_step_per_dispatch": {
+            "host_plan_us": med["plan_s"], "host_dispatch_us": med["dispatch_s"], "loop_ms_per_step": 1e3 * loop,
+            "h2d_bytes_per_step_plan_and_lengths": h2d, "host_breakdown": breakdown},
         "traces": dict(gen.traces),
     }
 
@@ -130,15 +143,16 @@ def measure_stream(model, args) -> dict:
     prompts = [rng.integers(0, model.cfg.vocab_size, rng.integers(args.prompt_min, args.prompt_max + 1)).tolist()
                for _ in range(n)]
     new = rng.integers(args.new_min, args.new_max + 1, n)
-    longest = args.prompt_max + args.new_max
+    k = args.steps_per_dispatch
+    longest = args.prompt_max + args.new_max + k - 1  # a request done inside a dispatch runs to its end
     pages_per_request = -(-longest // args.page_size)
     mgr = PagedCacheManager(num_pages=args.batch * pages_per_request, page_size=args.page_size,
                             max_requests=args.batch, max_pages_per_request=pages_per_request)
     gen = Generator(model, mgr, backend="auto", min_token_bucket=args.batch)
-    gen.serve(prompts, new)  # compiles every bucket the stream touches
+    gen.serve(prompts, new, steps_per_dispatch=k)  # compiles every bucket the stream touches
     compiles = dict(gen.traces)
     gen.timings.clear()
-    out = gen.serve(prompts, new)  # the same stream again: timed
+    out = gen.serve(prompts, new, steps_per_dispatch=k)  # the same stream again: timed
     st = gen.stream_stats
     assert [len(o) for o in out] == new.tolist()
     stream_tps = st["tokens"] / st["wall_s"]
@@ -149,15 +163,15 @@ def measure_stream(model, args) -> dict:
     steady = fresh_generator(model, steady_args, "auto", seed=3)
     # Warm up past a page boundary: every request crosses it in the same step, and that page-table
     # update's size class compiles once.
-    steady.decode(args.page_size + 2)
+    steady.decode(args.page_size + 2 * k, steps_per_dispatch=k)
     steady.results()
     t0 = time.perf_counter()
-    steady.decode(args.host_steps, fetch_lag=4)
+    steady.decode(args.host_steps, fetch_lag=4, steps_per_dispatch=k)
     steady.results()
     steady_tps = args.batch / ((time.perf_counter() - t0) / args.host_steps)
     ttft = np.asarray(st["ttft_s"]) * 1e3
     return {
-        "requests": n, "slots": args.batch, "prompt_len": [args.prompt_min, args.prompt_max],
+        "requests": n, "slots": args.batch, "steps_per_dispatch": k, "prompt_len": [args.prompt_min, args.prompt_max],
         "new_tokens": [args.new_min, args.new_max], "tokens": st["tokens"],
         "tokens_per_s": stream_tps, "steady_tokens_per_s": steady_tps, "steady_context": context,
         "ratio_to_steady": stream_tps / steady_tps,
@@ -182,6 +196,10 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--host-steps", type=int, help="steps of the host-planned loop")
     p.add_argument("--json", default="bench_decode.json", help="where to write the results")
+    p.add_argument("--steps-per-dispatch", type=int,
+                   help="decode steps per dispatch of the host-planned loop (also measured: 1)")
+    p.add_argument("--extra-batches", default="",
+                   help="comma-separated batch sizes whose host-planned loop is also measured ('auto')")
     p.add_argument("--stream", type=int, default=0,
                    help="also serve this many requests through --batch slots (Generator.serve)")
     p.add_argument("--prompt-min", type=int)
@@ -190,9 +208,9 @@ def main(argv=None):
     p.add_argument("--new-max", type=int)
     args = p.parse_args(argv)
     small = dict(batch=4, context=200, layers=2, chain=4, host_steps=8, prompt_min=4, prompt_max=40, new_min=2,
-                 new_max=12)
+                 new_max=12, steps_per_dispatch=4)
     full = dict(batch=64, context=4096, layers=4, chain=16, host_steps=32, prompt_min=64, prompt_max=1024,
-                new_min=64, new_max=512)
+                new_min=64, new_max=512, steps_per_dispatch=8)
     for k, v in (small if args.small else full).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -216,16 +234,30 @@ def main(argv=None):
         results[backend]["logits_rel_err_vs_reference"] = err
 
     kv_bytes = args.batch * args.context * BYTES_PER_KV_TOKEN * args.layers
-    print(f"\n{'backend':<10} {'device ms/step':>15} {'plan us':>9} {'dispatch us':>12} {'loop ms/step':>13} "
-          f"{'kv GB/s':>9} {'rel err':>9}")
+    k = args.steps_per_dispatch
+    print(f"\nhost-planned loop: {k} steps per dispatch (host us per step = a dispatch's / {k}); in brackets: "
+          f"one step per dispatch")
+    print(f"{'backend':<10} {'device ms/step':>15} {'plan us':>13} {'dispatch us':>13} {'loop ms/step':>15} "
+          f"{'loop/device':>12} {'kv GB/s':>9} {'rel err':>9}")
     for backend, r in results.items():
         gbs = kv_bytes / (r["device_ms_per_step"] * 1e-3) / 1e9
         r["kv_gb_per_s_whole_step"] = gbs
-        print(f"{backend:<10} {r['device_ms_per_step']:>15.3f} {r['host_plan_us']:>9.0f} "
-              f"{r['host_dispatch_us']:>12.0f} {r['loop_ms_per_step']:>13.3f} {gbs:>9.1f} "
+        one = r["one_step_per_dispatch"]
+        print(f"{backend:<10} {r['device_ms_per_step']:>15.3f} {r['host_plan_us']:>5.0f} ({one['host_plan_us']:>4.0f}) "
+              f"{r['host_dispatch_us']:>5.0f} ({one['host_dispatch_us']:>4.0f}) {r['loop_ms_per_step']:>6.3f} "
+              f"({one['loop_ms_per_step']:.3f}) {r['loop_ms_per_step'] / r['device_ms_per_step']:>12.2f} {gbs:>9.1f} "
               f"{r['logits_rel_err_vs_reference']:>9.2e}")
-    b = results["auto"]["host_breakdown"]
-    print(f"\nhost per step ('auto'): reserve {b['reserve_us']:.0f} us, plan_mla {b['plan_mla_us']:.0f} us, "
+    extra = {}
+    for b in [int(x) for x in args.extra_batches.split(",") if x.strip()]:
+        args_b = argparse.Namespace(**{**vars(args), "batch": b})
+        _, r = measure(model, args_b, "auto")
+        extra[f"batch{b}"] = r
+        one = r["one_step_per_dispatch"]
+        print(f"batch {b:<4} {r['device_ms_per_step']:>15.3f} {r['host_plan_us']:>5.0f} ({one['host_plan_us']:>4.0f}) "
+              f"{r['host_dispatch_us']:>5.0f} ({one['host_dispatch_us']:>4.0f}) {r['loop_ms_per_step']:>6.3f} "
+              f"({one['loop_ms_per_step']:.3f}) {r['loop_ms_per_step'] / r['device_ms_per_step']:>12.2f}")
+    b = results["auto"]["one_step_per_dispatch"]["host_breakdown"]
+    print(f"\nhost per step ('auto', one step per dispatch): reserve {b['reserve_us']:.0f} us, plan_mla {b['plan_mla_us']:.0f} us, "
           f"page-table sync {b['sync_us']:.0f} us, pack + transfer {b['pack_and_transfer_us']:.0f} us; dispatch: "
           f"{b['dispatch_arguments_us']:.0f} us handing over {b['arguments']} arguments (a no-op program with "
           f"the same arguments), {b['dispatch_launch_us']:.0f} us launching the step")
@@ -234,7 +266,7 @@ def main(argv=None):
     print("(kv GB/s = cached kv bytes of all layers / whole-step device time: a lower bound for the attention op)")
     out = {"device": f"{dev.platform} {dev.device_kind}", "jax": jax.__version__, "host": platform.node(),
            "auto_backend": resolved,
-           "args": vars(args), "speedup_device_time": speedup, "results": results}
+           "args": vars(args), "speedup_device_time": speedup, "results": results, "extra_batches": extra}
     if args.stream:
         st = measure_stream(model, args)
         out["stream"] = st

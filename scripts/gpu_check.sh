@@ -5,7 +5,8 @@
 # compute-sanitizer (memcheck, racecheck, synccheck) on the driver, and the benchmark. Logs, the
 # benchmark JSON and the roofline land in $OUT (default /tmp/jax_mla_out).
 #
-#   scripts/gpu_check.sh [build] [decode] [check|quickcheck] [test] [sanitize] [parallel] [timing] [bench] [sweep]
+#   scripts/gpu_check.sh [build] [decode] [hostprofile] [check|quickcheck] [test] [sanitize] [parallel] [timing]
+#                        [bench] [sweep]
 #   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests; a failed check skips
 #   the steps after it unless KEEP_GOING is set)
 #
@@ -77,6 +78,13 @@ if has decode && [ $built -eq 0 ]; then
   note "bench_decode"
   timeout ${DECODE_TIMEOUT:-180} python3 benchmarks/bench_decode.py --json "$OUT/bench_decode.json" ${DECODE_ARGS:-} 2>&1 \
     | tee "$LOGS/bench_decode.log" | tail -20
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+if has hostprofile && [ $built -eq 0 ]; then
+  # Issue 11: where a host-planned decode step's host time goes, per XLA_FLAGS variant.
+  note "profile_decode_host"
+  timeout ${HOSTPROFILE_TIMEOUT:-300} python3 benchmarks/profile_decode_host.py --variants \
+    --json "$OUT/profile_decode_host.json" ${HOSTPROFILE_ARGS:-} 2>&1 | tee "$LOGS/profile_decode_host.log" | tail -150
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if (has check || has quickcheck) && [ $built -eq 0 ]; then

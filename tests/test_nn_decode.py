@@ -69,6 +69,29 @@ def test_host_planned_loop_equals_reference(model, reference_run):
     assert gen.traces["decode"] == 1
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_multi_step_dispatch_equals_reference(model, reference_run, backend, monkeypatch):
+    """steps_per_dispatch=3 over 7 steps: dispatches of 3, 3 and 1 steps (each a plan for its last
+    step's lengths), the same tokens and per-step logits as one step per dispatch."""
+    slots, want, want_logits = reference_run
+    seen = record_transfer_guard_levels(monkeypatch)
+    gen = Generator(model, manager(), backend=backend)
+    gen.prefill(PROMPTS)
+    ticks = []
+    logits = gen.decode(STEPS, with_logits=True, steps_per_dispatch=3, on_step=ticks.append)
+    assert gen.results() == want
+    assert ticks == list(range(STEPS)) and len(logits) == STEPS
+    for a, b in zip(logits, want_logits[1:]):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-4)
+    assert seen == ["disallow"] * 3  # three dispatches for seven steps
+    assert gen.traces["decode_scan"] == 1 and gen.traces["decode"] == 1  # the 3-step program and the 1-step one
+    assert len(gen.timings["dispatch_s"]) == 3
+    gen.decode(6, steps_per_dispatch=3)  # without logits: one more program, then windows reuse it
+    gen.decode(6, steps_per_dispatch=3)
+    assert gen.traces["decode_scan"] == 2 and gen.traces["decode"] == 1
+    assert all(len(v) == 1 + STEPS + 12 for v in gen.results().values())
+
+
 def test_jitted_loop_equals_reference(model, reference_run):
     slots, want, _ = reference_run
     gen = Generator(model, manager(), backend="auto")

@@ -66,6 +66,22 @@ def test_stream_equals_each_request_alone(stream, served, alone_results):
     assert gen.manager.active_slots.size == 0 and gen.manager.num_free_pages == gen.manager.num_pages
 
 
+def test_stream_with_multi_step_dispatch_equals_each_request_alone(model, stream, alone_results):
+    """Four steps per dispatch: requests join and leave only between dispatches; one that is done
+    inside a dispatch keeps decoding until it ends, and those extra tokens are dropped."""
+    prompts, budget = stream
+    gen = Generator(model, manager(num_pages=36), backend="auto")
+    out = gen.serve(prompts, budget, fetch_lag=2, steps_per_dispatch=4)
+    assert out == alone_results
+    assert gen.stream_stats["decode_steps"] % 4 == 0
+    assert gen.traces["decode_scan"] == 1 and gen.traces["decode"] == 0
+    assert gen.manager.active_slots.size == 0 and gen.manager.num_free_pages == gen.manager.num_pages
+    eos = alone_results[0][-1]
+    gen = Generator(model, manager(num_pages=36), backend="auto")
+    want = [a[: a.index(eos) + 1] if eos in a else a for a in alone_results]
+    assert gen.serve(prompts, budget, eos_token_id=eos, steps_per_dispatch=4) == want
+
+
 def test_stream_compiles_once_per_bucket(served):
     gen, _ = served
     assert gen.traces["decode"] == 1  # 1-3 active requests: one decode bucket (min_token_bucket 8)

@@ -4,11 +4,12 @@ The host (PagedCacheManager) knows every length; the device holds the caches,
 the page table and each slot's next input token. Neither loop reads the device
 to decide anything:
 
-* host-planned (`decode`): per step the host reserves pages, plans, sends the
-  page-table changes, and dispatches one jitted step (caches donated) under
-  `jax.transfer_guard_device_to_host("disallow")`. Sampled tokens stay on the
-  device; the host starts their copy at once and reads them `fetch_lag` steps
-  later, so it never waits on the step it just queued.
+* host-planned (`decode`): per dispatch the host reserves pages, plans, sends the
+  page-table changes, and dispatches one jitted program (caches donated) under
+  `jax.transfer_guard_device_to_host("disallow")`: one step, or `steps_per_dispatch`
+  steps on one plan. Sampled tokens stay on the device; the host starts their copy
+  at once and reads them `fetch_lag` dispatches later, so it never waits on the
+  dispatch it just queued.
 * fully jitted (`decode_jitted`): pages for N steps are reserved, one plan is
   made for lengths + N, and a lax.scan runs the N steps in one call.
 """
@@ -16,6 +17,7 @@ to decide anything:
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import time
 from typing import Callable, Sequence
@@ -170,7 +172,7 @@ class Generator:
                                      donate_argnames=donate)
         self._decode_step = jax.jit(self._decode_impl, static_argnames=layout + ("with_logits",),
                                     donate_argnames=donate)
-        self._decode_scan = jax.jit(self._decode_scan_impl, static_argnames=layout + ("num_steps",),
+        self._decode_scan = jax.jit(self._decode_scan_impl, static_argnames=layout + ("num_steps", "with_logits"),
                                     donate_argnames=donate)
 
     # ---- jitted bodies -------------------------------------------------------
@@ -263,7 +265,7 @@ class Generator:
         return caches, next_tokens, rng, emitted, (logits if with_logits else None)
 
     def _decode_scan_impl(self, params, caches, page_table, host, next_tokens, rng, *, layout, plan_static,
-                          num_steps):
+                          num_steps, with_logits=False):
         self.traces["decode_scan"] += 1
         model = self._model(params)
         a, plan = self._unpack(host, layout, plan_static)
@@ -272,13 +274,13 @@ class Generator:
         def step(carry, i):
             caches, next_tokens, rng = carry
             kv_lens = kv_lens0 + (i + 1) * step_lens
-            caches, next_tokens, rng, emitted, _ = self._decode_body(model, caches, page_table, kv_lens, plan,
-                                                                     next_tokens, rng)
-            return (caches, next_tokens, rng), emitted
+            caches, next_tokens, rng, emitted, logits = self._decode_body(model, caches, page_table, kv_lens, plan,
+                                                                          next_tokens, rng)
+            return (caches, next_tokens, rng), (emitted, logits if with_logits else None)
 
-        (caches, next_tokens, rng), emitted = jax.lax.scan(step, (caches, next_tokens, rng),
-                                                           jnp.arange(num_steps, dtype=jnp.int32))
-        return caches, next_tokens, rng, emitted
+        (caches, next_tokens, rng), (emitted, logits) = jax.lax.scan(step, (caches, next_tokens, rng),
+                                                                     jnp.arange(num_steps, dtype=jnp.int32))
+        return caches, next_tokens, rng, emitted, logits
 
     # ---- host side -----------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]], *, form: str = "auto", with_logits: bool = False,
@@ -366,51 +368,63 @@ class Generator:
         return slots, qo, num_tokens, row_slot
 
     def decode(self, num_steps: int, *, fetch_lag: int = 4, with_logits: bool = False,
-               on_step: Callable[[int], None] | None = None):
+               on_step: Callable[[int], None] | None = None, steps_per_dispatch: int = 1):
         """Host-planned decode of every active slot for num_steps steps.
 
-        Each step: reserve a page where needed, plan on the host, send page-table
-        changes, dispatch one jitted step with no device->host transfer allowed.
-        Tokens are read `fetch_lag` steps behind. Returns the per-step logits
-        (device arrays [T, vocab], rows in slot order) when with_logits.
+        Each dispatch: reserve pages where needed, plan on the host, send page-table
+        changes, dispatch one jitted program with no device->host transfer allowed.
+        With steps_per_dispatch = k > 1 a dispatch runs k steps (a lax.scan on one plan made
+        for the lengths after its last step, as in `decode_jitted`; the kernel clips to each
+        step's device lengths): the host's plan and dispatch are paid once per k steps, so a
+        host slower than the device's step no longer bounds the loop (the "multi-step
+        scheduling" of vLLM). A remainder of fewer than k steps is one more dispatch of that
+        many. Tokens are read `fetch_lag` dispatches behind. Returns the per-step logits
+        (device arrays [T, vocab], rows in slot order) when with_logits. `timings` holds host
+        seconds per step (a dispatch's time / its steps).
         """
         num_steps = _count("num_steps", num_steps)
         fetch_lag = _count("fetch_lag", fetch_lag)
+        k = _count("steps_per_dispatch", steps_per_dispatch, minimum=1)
         mgr = self.manager
         slots, qo, num_tokens, row_slot = self._decode_rows()
         all_logits = []
-        for i in range(num_steps):
+        done = 0
+        while done < num_steps:
+            n = min(k, num_steps - done)
             t0 = time.perf_counter()
-            mgr.reserve(slots, 1)
-            kv = mgr.lengths + qo
+            mgr.reserve(slots, n)
+            kv = mgr.lengths + n * qo  # the plan is made for the window's last step
             ta = time.perf_counter()
             plan = mgr.plan(qo, kv, num_heads=self.local_heads, num_tokens=num_tokens)
             tb = time.perf_counter()
             page_table = mgr.sync()
             tc = time.perf_counter()
-            host, layout, static = self._pack(plan, kv_lens=kv)
+            if n == 1:
+                host, layout, static = self._pack(plan, kv_lens=kv)
+            else:
+                host, layout, static = self._pack(plan, kv_lens=mgr.lengths, step_lens=qo)
             t1 = time.perf_counter()
             with jax.transfer_guard_device_to_host("disallow"):
-                self.caches, self.next_tokens, self.rng, emitted, logits = self._decode_step(
+                run = self._decode_step if n == 1 else functools.partial(self._decode_scan, num_steps=n)
+                self.caches, self.next_tokens, self.rng, emitted, logits = run(
                     self.params, self.caches, page_table, host, self.next_tokens, self.rng, layout=layout,
                     plan_static=static, with_logits=with_logits)
             t2 = time.perf_counter()
-            mgr.commit(slots, 1)
+            mgr.commit(slots, n)
             # plan_s is the host work before the dispatch; its parts: reserve_s (pages), plan_mla_s,
             # sync_s (page-table changes sent), pack_s (the step's host buffer, and its transfer).
-            self.timings["plan_s"].append(t1 - t0)
-            self.timings["reserve_s"].append(ta - t0)
-            self.timings["plan_mla_s"].append(tb - ta)
-            self.timings["sync_s"].append(tc - tb)
-            self.timings["pack_s"].append(t1 - tc)
-            self.timings["dispatch_s"].append(t2 - t1)
-            self.timings["h2d_bytes"].append(host.nbytes + 12 * mgr.last_sync_entries)
+            for name, t in (("plan_s", t1 - t0), ("reserve_s", ta - t0), ("plan_mla_s", tb - ta),
+                            ("sync_s", tc - tb), ("pack_s", t1 - tc), ("dispatch_s", t2 - t1),
+                            ("h2d_bytes", host.nbytes + 12 * mgr.last_sync_entries)):
+                self.timings[name].append(t / n)
             self._queue(row_slot, emitted)
             self._read(keep=fetch_lag)
             if with_logits:
-                all_logits.append(logits)
+                all_logits.extend([logits] if n == 1 else list(logits))
             if on_step is not None:
-                on_step(i)
+                for i in range(done, done + n):
+                    on_step(i)
+            done += n
         return all_logits if with_logits else None
 
     def decode_jitted(self, num_steps: int) -> None:
@@ -428,9 +442,9 @@ class Generator:
         page_table = mgr.sync()
         host, layout, static = self._pack(plan, kv_lens=mgr.lengths, step_lens=qo)
         with jax.transfer_guard_device_to_host("disallow"):
-            self.caches, self.next_tokens, self.rng, emitted = self._decode_scan(
+            self.caches, self.next_tokens, self.rng, emitted, _ = self._decode_scan(
                 self.params, self.caches, page_table, host, self.next_tokens, self.rng, layout=layout,
-                plan_static=static, num_steps=int(num_steps))
+                plan_static=static, num_steps=int(num_steps), with_logits=False)
         mgr.commit(slots, num_steps)
         self._queue(row_slot, emitted)
 
@@ -469,7 +483,7 @@ class Generator:
         return {s: list(v) for s, v in self.outputs.items()}
 
     def serve(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int] | int, *,
-              eos_token_id: int | None = None, fetch_lag: int = 4) -> list[list[int]]:
+              eos_token_id: int | None = None, fetch_lag: int = 4, steps_per_dispatch: int = 1) -> list[list[int]]:
         """Serve a stream of requests through this Generator's slots; their tokens, in arrival order.
 
         Requests wait in arrival order; between decode steps the ones that fit (a free slot and
@@ -478,8 +492,11 @@ class Generator:
         Requests already in the Generator keep decoding alongside and stay when it returns. A request
         is done after max_new_tokens tokens (the first comes from its prefill), known on the host
         without reading the device; with eos_token_id also when it emits that token, seen
-        `fetch_lag` steps late (tokens after it are dropped). Steps are host-planned as in `decode`;
-        shapes are bucketed, so compilations are bounded by the buckets touched (`self.traces`).
+        `fetch_lag` dispatches late (tokens after it are dropped). Steps are host-planned as in
+        `decode`, steps_per_dispatch at a time: requests are admitted and leave between dispatches, and
+        a request that is done inside one keeps its slot until the dispatch ends (its extra tokens are
+        dropped; pages for them are taken at admission). Shapes are bucketed, so compilations are
+        bounded by the buckets touched (`self.traces`).
         `self.stream_stats` has the steps, wall time and each request's time to first token.
         """
         prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
@@ -488,6 +505,7 @@ class Generator:
         if n and (budget.dtype.kind not in "iu" or budget.min() < 1):
             raise ValueError(f"max_new_tokens must be integers >= 1, got {max_new_tokens!r}")
         fetch_lag = _count("fetch_lag", fetch_lag)
+        k = _count("steps_per_dispatch", steps_per_dispatch, minimum=1)
         mgr = self.manager
         waiting = collections.deque(range(n))
         active: dict[int, int] = {}  # slot -> request index
@@ -514,7 +532,7 @@ class Generator:
             while take:
                 try:
                     slots = self.prefill([prompts[i] for i in take],
-                                         reserve_tokens=[int(budget[i]) for i in take])
+                                         reserve_tokens=[int(budget[i]) + k - 1 for i in take])
                     break
                 except (OutOfPagesError, OutOfSlotsError):
                     waiting.appendleft(take.pop())
@@ -541,10 +559,10 @@ class Generator:
                     self._release(s)
                     done.append(i)
             if active:
-                self.decode(1, fetch_lag=fetch_lag)
-                steps += 1
+                self.decode(k, fetch_lag=fetch_lag, steps_per_dispatch=k)
+                steps += k
                 for i in active.values():
-                    made[i] += 1
+                    made[i] += k
         self._read(keep=0)
         for i in done:
             collect(i, self._tokens.pop(int(first_id[i]), []))

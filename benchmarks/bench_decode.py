@@ -135,9 +135,10 @@ def measure(model, args, backend):
     }
 
 
-def measure_stream(model, args) -> dict:
+def measure_stream(model, args, admit: str) -> dict:
     """`Generator.serve` of --stream requests (random prompt and output lengths) through --batch slots,
-    against the steady-state host-planned decode of --batch requests of the mean length."""
+    admitted in `admit` order, against the steady-state host-planned decode of --batch requests of the
+    mean length."""
     rng = np.random.default_rng(0)
     n = args.stream
     prompts = [rng.integers(0, model.cfg.vocab_size, rng.integers(args.prompt_min, args.prompt_max + 1)).tolist()
@@ -149,10 +150,10 @@ def measure_stream(model, args) -> dict:
     mgr = PagedCacheManager(num_pages=args.batch * pages_per_request, page_size=args.page_size,
                             max_requests=args.batch, max_pages_per_request=pages_per_request)
     gen = Generator(model, mgr, backend="auto", min_token_bucket=args.batch)
-    gen.serve(prompts, new, steps_per_dispatch=k)  # compiles every bucket the stream touches
+    gen.serve(prompts, new, steps_per_dispatch=k, admit=admit)  # compiles every bucket the stream touches
     compiles = dict(gen.traces)
     gen.timings.clear()
-    out = gen.serve(prompts, new, steps_per_dispatch=k)  # the same stream again: timed
+    out = gen.serve(prompts, new, steps_per_dispatch=k, admit=admit)  # the same stream again: timed
     st = gen.stream_stats
     assert [len(o) for o in out] == new.tolist()
     stream_tps = st["tokens"] / st["wall_s"]
@@ -171,7 +172,9 @@ def measure_stream(model, args) -> dict:
     steady_tps = args.batch / ((time.perf_counter() - t0) / args.host_steps)
     ttft = np.asarray(st["ttft_s"]) * 1e3
     return {
-        "requests": n, "slots": args.batch, "steps_per_dispatch": k, "prompt_len": [args.prompt_min, args.prompt_max],
+        "requests": n, "slots": args.batch, "steps_per_dispatch": k, "admit": admit,
+        # Mean busy slots per decode step (tokens from decode steps / steps / slots).
+        "slot_use": (st["tokens"] - n) / max(st["decode_steps"], 1) / args.batch, "prompt_len": [args.prompt_min, args.prompt_max],
         "new_tokens": [args.new_min, args.new_max], "tokens": st["tokens"],
         "tokens_per_s": stream_tps, "steady_tokens_per_s": steady_tps, "steady_context": context,
         "ratio_to_steady": stream_tps / steady_tps,
@@ -267,11 +270,11 @@ def main(argv=None):
     out = {"device": f"{dev.platform} {dev.device_kind}", "jax": jax.__version__, "host": platform.node(),
            "auto_backend": resolved,
            "args": vars(args), "speedup_device_time": speedup, "results": results, "extra_batches": extra}
-    if args.stream:
-        st = measure_stream(model, args)
-        out["stream"] = st
-        print(f"\nstream: {st['requests']} requests (prompts {args.prompt_min}-{args.prompt_max}, "
-              f"{args.new_min}-{args.new_max} new tokens) through {st['slots']} slots: "
+    for admit in ("arrival", "longest_first") if args.stream else ():
+        st = measure_stream(model, args, admit)
+        out["stream" if admit == "arrival" else f"stream_{admit}"] = st
+        print(f"\nstream ({admit} admission): {st['requests']} requests (prompts {args.prompt_min}-{args.prompt_max}, "
+              f"{args.new_min}-{args.new_max} new tokens) through {st['slots']} slots ({st['slot_use']:.0%} busy): "
               f"{st['tokens_per_s']:.0f} tokens/s = {st['ratio_to_steady']:.2f}x steady-state decode at that "
               f"batch ({st['steady_tokens_per_s']:.0f}); time to first token median {st['ttft_ms_median']:.1f} ms, "
               f"p90 {st['ttft_ms_p90']:.1f} ms; compilations {st['compilations']} "

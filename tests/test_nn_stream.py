@@ -82,6 +82,27 @@ def test_stream_with_multi_step_dispatch_equals_each_request_alone(model, stream
     assert gen.serve(prompts, budget, eos_token_id=eos, steps_per_dispatch=4) == want
 
 
+def test_stream_longest_first_admission(model, stream, alone_results):
+    """admit='longest_first': the largest max_new_tokens are admitted first; results still come back
+    in arrival order, each equal to the request alone."""
+    prompts, budget = stream
+    gen = Generator(model, manager(), backend="auto")
+    admitted = []
+    real = gen.prefill
+
+    def spy(batch, **kw):
+        admitted.append([prompts.index(list(p)) for p in batch])
+        return real(batch, **kw)
+
+    gen.prefill = spy
+    assert gen.serve(prompts, budget, admit="longest_first", steps_per_dispatch=2) == alone_results
+    order = [i for batch in admitted for i in batch]
+    assert sorted(order) == list(range(N))
+    assert [budget[i] for i in order] == sorted(budget, reverse=True)
+    with pytest.raises(ValueError, match="admit='soonest'"):
+        gen.serve(prompts, budget, admit="soonest")
+
+
 def test_stream_compiles_once_per_bucket(served):
     gen, _ = served
     assert gen.traces["decode"] == 1  # 1-3 active requests: one decode bucket (min_token_bucket 8)

@@ -483,10 +483,13 @@ class Generator:
         return {s: list(v) for s, v in self.outputs.items()}
 
     def serve(self, prompts: Sequence[Sequence[int]], max_new_tokens: Sequence[int] | int, *,
-              eos_token_id: int | None = None, fetch_lag: int = 4, steps_per_dispatch: int = 1) -> list[list[int]]:
+              eos_token_id: int | None = None, fetch_lag: int = 4, steps_per_dispatch: int = 1,
+              admit: str = "arrival") -> list[list[int]]:
         """Serve a stream of requests through this Generator's slots; their tokens, in arrival order.
 
-        Requests wait in arrival order; between decode steps the ones that fit (a free slot and
+        Requests wait in arrival order (admit="arrival") or, for throughput on a known workload,
+        longest max_new_tokens first (admit="longest_first": the long ones no longer decode alone at
+        the end while slots stand empty); between decode steps the ones that fit (a free slot and
         pages for prompt + max_new_tokens, taken at admission) are admitted and prefilled in one
         step, and requests that are done leave (their slot and pages are reused at once).
         Requests already in the Generator keep decoding alongside and stay when it returns. A request
@@ -506,8 +509,11 @@ class Generator:
             raise ValueError(f"max_new_tokens must be integers >= 1, got {max_new_tokens!r}")
         fetch_lag = _count("fetch_lag", fetch_lag)
         k = _count("steps_per_dispatch", steps_per_dispatch, minimum=1)
+        if admit not in ("arrival", "longest_first"):
+            raise ValueError(f"admit={admit!r} is not 'arrival' or 'longest_first'")
         mgr = self.manager
-        waiting = collections.deque(range(n))
+        order = range(n) if admit == "arrival" else np.argsort(-budget, kind="stable").tolist()
+        waiting = collections.deque(order)
         active: dict[int, int] = {}  # slot -> request index
         made = np.zeros(n, np.int64)  # tokens each request has been given steps for
         first_id = np.full(n, -1, np.int64)  # request id (self._tokens key) of each request

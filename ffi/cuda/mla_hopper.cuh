@@ -203,15 +203,6 @@ __device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t smem_byte_addr, uint3
                "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
              : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 
-#define JAX_MLA_WGMMA_64x32_RS(TY)                                                                                  \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"                                                         \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {"                                         \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                            \
-               "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"                                                        \
-             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
-               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
-             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
-
 #define JAX_MLA_WGMMA_64x256_RS_TB(TY)                                                                                         \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                                   \
                "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {"                                                   \
@@ -254,18 +245,6 @@ __device__ __forceinline__ void wgmma_64x32_ss(float (&d)[16], uint64_t desc_a, 
   }
 #endif
 }
-// The same with A (the queries' rope part) from registers.
-template <typename T>
-__device__ __forceinline__ void wgmma_64x32_rs(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b,
-                                               int accumulate) {
-#ifdef JAX_MLA_HAS_WGMMA
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    JAX_MLA_WGMMA_64x32_RS("bf16");
-  } else {
-    JAX_MLA_WGMMA_64x32_RS("f16");
-  }
-#endif
-}
 // O += P V over one k16 step of keys: D 64 x 256, A (P) from registers, B (V) MN-major in shared memory.
 template <typename T>
 __device__ __forceinline__ void wgmma_64x256_rs_mn(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b,
@@ -279,7 +258,6 @@ __device__ __forceinline__ void wgmma_64x256_rs_mn(float (&d)[128], const uint32
 #endif
 }
 #undef JAX_MLA_WGMMA_64x32_SS
-#undef JAX_MLA_WGMMA_64x32_RS
 #undef JAX_MLA_WGMMA_64x256_RS_TB
 
 }  // namespace cuda

@@ -66,13 +66,15 @@ struct WideSm90 {
   static constexpr int ROPE_PANEL = 8;
   static constexpr int SACC = ROWS * BK / 128;   // S accumulators per thread
   static constexpr int PBYTES = ROWS * BK * 2;   // P of one block (64-byte rows, swizzled)
-  // Shared memory (from a 1024-byte-aligned base). The queries' rope panel is
-  // staged where P_A and P_B later live: both consumers move it into registers first.
+  // Shared memory (from a 1024-byte-aligned base): the nine query panels, the key
+  // ring, P_A and P_B, the statistics. All of S = Q K^T reads the queries from shared
+  // memory, which leaves the consumers' registers to O, S and the P fragments of the
+  // MMAs in flight (the pipelined loop keeps one S and one PV in flight at once).
   static constexpr int Q_OFF = 0;
-  static constexpr int PA_OFF = 8 * QPANEL;
-  static constexpr int PB_OFF = PA_OFF + PBYTES;
   static constexpr int KV_OFF = 9 * QPANEL;
-  static constexpr int STATS_OFF = KV_OFF + STAGES * STAGE;  // float [6][64]: m_A, a_A, m_B, a_B, l(c=0), l(c=1)
+  static constexpr int PA_OFF = KV_OFF + STAGES * STAGE;
+  static constexpr int PB_OFF = PA_OFF + PBYTES;
+  static constexpr int STATS_OFF = PB_OFF + PBYTES;  // float [6][64]: m_A, a_A, m_B, a_B, l(c=0), l(c=1)
   // Per stage: a u32 whose four bytes are the producer warps' ballots of valid
   // keys (all ones: no key is masked), then one byte per key.
   static constexpr int MASK_OFF = STATS_OFF + 6 * ROWS * 4;
@@ -117,7 +119,6 @@ struct WideSm90 {
   }
   static_assert(SMEM_BYTES <= 227 * 1024, "one block per SM must fit");
   static_assert(STAGE % 1024 == 0 && KPANEL % 1024 == 0 && QPANEL % 1024 == 0, "swizzle atoms stay aligned");
-  static_assert(2 * PBYTES <= QPANEL, "P_A and P_B fit in the queries' rope panel");
 };
 
 // TMA descriptors of the two caches seen as 2-D tensors of rows (ckv [P * ps, 512],
@@ -260,12 +261,11 @@ __device__ __forceinline__ void wide_producer(const Problem& p, const KeyTensorM
 
 // ---- consumer stages -------------------------------------------------------------
 
-// S = Q K^T for the block in `stage`: rope panel first (queries from registers),
-// then the two latent halves in the order the producer refills them (block A:
-// left first; block B: right first). Async: committed, not waited for.
+// S = Q K^T for the block in `stage`: rope panel first, then the two latent halves
+// in the order the producer refills them (block A: left first; block B: right
+// first). Async: the caller commits the group.
 template <typename T, bool BLOCK_A>
-__device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], const uint32_t (&q_rope)[4][4],
-                                            uint32_t base, int stage, int parity) {
+__device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], uint32_t base, int stage, int parity) {
   using W = WideSm90;
   base = opaque(base);
   const uint32_t st = W::stage_addr(base, stage);
@@ -274,7 +274,8 @@ __device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], const ui
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
-    wgmma_64x32_rs<T>(s, q_rope[kk], sw128_desc(st + W::ROPE_PANEL * W::KPANEL + kk * 32), kk > 0);
+    wgmma_64x32_ss<T>(s, sw128_desc(base + W::Q_OFF + W::ROPE_PANEL * W::QPANEL + kk * 32),
+                      sw128_desc(st + W::ROPE_PANEL * W::KPANEL + kk * 32), kk > 0);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int group = (half == 0) == BLOCK_A ? W::kLeft : W::kRight;
@@ -288,7 +289,6 @@ __device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], const ui
         wgmma_64x32_ss<T>(s, sw128_desc(base + W::Q_OFF + pn * W::QPANEL + kk * 32),
                           sw128_desc(st + pn * W::KPANEL + kk * 32), 1);
   }
-  wgmma_commit();
 }
 
 // Scales scores to base 2 and masks keys that are invalid or past the row's limit.
@@ -380,12 +380,6 @@ __device__ __forceinline__ void wide_load_p(uint32_t buf, uint32_t (&pa)[kWideKS
 #pragma unroll
   for (int kk = 0; kk < kWideKSteps; ++kk) ldmatrix_x4(pa[kk], buf + wide_p_offset(row, 2 * kk + ch));
 }
-// The queries' rope panel (64 rows x 64 dims, 128-byte swizzled) as four k16 A fragments.
-__device__ __forceinline__ void wide_load_q_rope(uint32_t panel, uint32_t (&qa)[4][4], int warp, int lane) {
-  const int row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, ch = lane >> 4;
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) ldmatrix_x4(qa[kk], panel + row * 128 + (((2 * kk + ch) ^ (row & 7)) << 4));
-}
 
 template <typename T>
 __device__ __forceinline__ uint32_t scale_pair(uint32_t v, float a);
@@ -440,12 +434,8 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
     return reinterpret_cast<float*>(__cvta_shared_to_generic(stats_addr + (which * W::ROWS + row) * 4));
   };
 
-  // The queries' rope panel lives in registers for the whole unit.
   mbar_wait(W::query_bar(base), 0);
   fence_proxy_async_shared();  // the query panels reach wgmma's reads
-  uint32_t q_rope[4][4];
-  wide_load_q_rope(base + W::PA_OFF, q_rope, warp, lane);
-  named_barrier_sync(W::kConsumers, W::kConsumerThreads);  // both hold it: P_A, P_B may overwrite the panel
 
   float o[128];
 #pragma unroll
@@ -453,49 +443,76 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};
 
+  // Software-pipelined over pairs: each consumer issues its next S right behind its PV of the
+  // pair, so the tensor pipe has the next scores queued while the hand-offs run, and consumer 0's
+  // softmax of the next block A overlaps its last PV. The loop is rotated so that no MMA is in
+  // flight across its back edge, and every MMA group is issued on every trip (past the end they
+  // recompute a finished block and are dropped): with one path through each wgmma pipeline
+  // stage ptxas keeps the MMAs asynchronous (a branch around one makes it copy accumulators
+  // inside the stage and serialise every wgmma of the kernel, C7515).
+  uint32_t pa[kWideKSteps][4], pb[kWideKSteps][4];
+  float s[W::SACC];
+  float a_max[2], a_alpha[2], a_sum[2];  // consumer 0: block A's softmax, made one step ahead
+  // Consumer 0's softmax of block A (scores in s) against the running max.
+  auto softmax_a = [&](int stage_a, int key0) {
+    fence_registers(s);
+    wide_mask(s, p.scale_log2, base, stage_a, key0, limit, t4);
+    float mx[2];
+    wide_row_max(s, mx);
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      a_max[e] = fmaxf(m_run[e], mx[e]);
+      a_alpha[e] = wide_alpha(m_run[e], a_max[e]);
+    }
+    wide_exp(s, a_max, a_sum);
+    if (lane == 0) {  // S and the mask are read: the rope panel and the right half go back
+      mbar_arrive(W::empty_bar(base, stage_a, W::kRope));
+      mbar_arrive(W::empty_bar(base, stage_a, W::kRight));
+    }
+  };
+  if (num_blocks > 0) {
+    if constexpr (HALF == 0) {
+      wide_scores<T, true>(s, base, 0, 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      softmax_a(0, u.kv_begin);
+    } else if (num_blocks > 1) {
+      wide_scores<T, false>(s, base, 1, 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(s);
+    }
+  }
 #pragma unroll 1
   for (int pair = 0; 2 * pair < num_blocks; ++pair) {
     // Pair k uses stages 2 (k % 2) and 2 (k % 2) + 1, for the (k / 2)-th time.
     const int stage_a = 2 * (pair & 1), stage_b = stage_a + 1;
-    const int parity = (pair >> 1) & 1;
     const bool has_b = 2 * pair + 1 < num_blocks;
+    const int parity = (pair >> 1) & 1, next_parity = ((pair + 1) >> 1) & 1;
     const int key0 = u.kv_begin + 2 * pair * W::BK;
     const uint32_t st_a = W::stage_addr(base, stage_a), st_b = W::stage_addr(base, stage_b);
-    float s[W::SACC];
     if constexpr (HALF == 0) {
-      // ---- block A: scores, softmax, signal ----
-      wide_scores<T, true>(s, q_rope, base, stage_a, parity);
-      wgmma_wait<0>();
-      fence_registers(s);
-      wide_mask(s, p.scale_log2, base, stage_a, key0, limit, t4);
-      float mx[2], m_a[2], a_a[2], sum[2];
-      wide_row_max(s, mx);
+      const bool has_next = 2 * pair + 2 < num_blocks;
+      // ---- block A (softmax done a step ahead): rescale, signal, PV; the next S_A behind it ----
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        m_a[e] = fmaxf(m_run[e], mx[e]);
-        a_a[e] = wide_alpha(m_run[e], m_a[e]);
-      }
-      wide_exp(s, m_a, sum);
-      if (lane == 0) {  // S and the mask are read: the rope panel and the right half go back
-        mbar_arrive(W::empty_bar(base, stage_a, W::kRope));
-        mbar_arrive(W::empty_bar(base, stage_a, W::kRight));
-      }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_a[e] + sum[e];
-      wide_rescale(o, a_a);
-      uint32_t pa[kWideKSteps][4];
+      for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_alpha[e] + a_sum[e];
+      wide_rescale(o, a_alpha);
       wide_pack_p<T>(s, pa);
       if (t4 == 0) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          *stat_ptr(W::kMaxA, r[e]) = m_a[e];
-          *stat_ptr(W::kAlphaA, r[e]) = a_a[e];
+          *stat_ptr(W::kMaxA, r[e]) = a_max[e];
+          *stat_ptr(W::kAlphaA, r[e]) = a_alpha[e];
         }
       }
       wide_store_p(base + W::PA_OFF, pa, warp, lane);
       mbar_arrive(W::a_ready_bar(base));
       wgmma_fence();
       wide_pv<T, 0>(o, pa, st_a);
+      wgmma_commit();
+      // Issued on every trip (see above): past the last pair it recomputes this pair's block A,
+      // whose phase has completed (no wait), and is dropped.
+      wide_scores<T, true>(s, base, has_next ? stage_a ^ 2 : stage_a, has_next ? next_parity : parity);
       wgmma_commit();
       // ---- block B's probabilities from consumer 1 ----
       mbar_wait(W::b_ready_bar(base), pair & 1);
@@ -506,31 +523,33 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
         a_b[e] = *stat_ptr(W::kAlphaB, r[e]);
         m_run[e] = *stat_ptr(W::kMaxB, r[e]);
       }
-      uint32_t pb[kWideKSteps][4];
-      if (has_b) wide_load_p(base + W::PB_OFF, pb, warp, lane);
-      wgmma_wait<0>();
+      if (has_b) {
+        wide_load_p(base + W::PB_OFF, pb, warp, lane);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < kWideKSteps; ++kk) pb[kk][0] = pb[kk][1] = pb[kk][2] = pb[kk][3] = 0u;
+      }
+      wgmma_wait<1>();  // PV_A is done (the next S_A may still run)
       fence_registers(o);
       fence_fragments(pa);
       if (lane == 0) mbar_arrive(W::empty_bar(base, stage_a, W::kLeft));
       wide_rescale(o, a_b);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] *= a_b[e];
-      if (has_b) {
-        wgmma_fence();
-        wide_pv<T, 0>(o, pb, st_b);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(o);
-        fence_fragments(pb);
-        if (lane == 0) mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));
-      }
+      // Issued on every trip (see above): without a block B, P = 0 times block A's rows, which
+      // adds 0 to O (or NaN where PV_A already made one: a non-finite row).
+      wgmma_fence();
+      wide_pv<T, 0>(o, pb, has_b ? st_b : st_a);
+      wgmma_commit();
+      // ---- the next block A's softmax while PV_B runs ----
+      wgmma_wait<1>();
+      if (has_next) softmax_a(stage_a ^ 2, key0 + 2 * W::BK);
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_fragments(pb);
+      if (has_b && lane == 0) mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));
     } else {
-      // ---- block B: scores (overlap consumer 0's), then softmax from m_A ----
-      if (has_b) {
-        wide_scores<T, false>(s, q_rope, base, stage_b, parity);
-        wgmma_wait<0>();
-        fence_registers(s);
-      }
+      // ---- block B (scores done a step ahead): softmax from m_A ----
       mbar_wait(W::a_ready_bar(base), pair & 1);
       fence_proxy_async_shared();  // block A's right half landed for consumer 0; our wgmma reads it next
       float m_a[2], a_a[2], m_b[2], a_b[2] = {1.f, 1.f};
@@ -540,7 +559,6 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
         a_a[e] = *stat_ptr(W::kAlphaA, r[e]);
         m_b[e] = m_a[e];
       }
-      uint32_t pb[kWideKSteps][4];
       if (has_b) {
         wide_mask(s, p.scale_log2, base, stage_b, key0 + W::BK, limit, t4);
         float mx[2], sum[2];
@@ -570,7 +588,6 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
           *stat_ptr(W::kAlphaB, r[e]) = a_b[e];
         }
       }
-      uint32_t pa[kWideKSteps][4];
       wide_load_p(base + W::PA_OFF, pa, warp, lane);
       mbar_arrive(W::b_ready_bar(base));
       // P_A was made against m_A; this half of O now lives at m_B.
@@ -587,7 +604,12 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       if (has_b) wide_pv<T, 1>(o, pb, st_b);
       wide_pv<T, 1>(o, pa, st_a);
       wgmma_commit();
-      wgmma_wait<0>();
+      // The next pair's S_B goes in behind it; issued on every trip (see above): without a next
+      // block B it recomputes this pair's block A, whose phase has completed, and is dropped.
+      const bool next_b = 2 * pair + 3 < num_blocks;
+      wide_scores<T, false>(s, base, next_b ? stage_b ^ 2 : stage_a, next_b ? next_parity : parity);
+      wgmma_commit();
+      wgmma_wait<1>();
       fence_registers(o);
       fence_fragments(pa);
       if (has_b) fence_fragments(pb);
@@ -595,6 +617,8 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
         mbar_arrive(W::empty_bar(base, stage_a, W::kRight));
         if (has_b) mbar_arrive(W::empty_bar(base, stage_b, W::kRight));
       }
+      wgmma_wait<0>();
+      fence_registers(s);
 #pragma unroll
       for (int e = 0; e < 2; ++e) m_run[e] = m_b[e];
     }

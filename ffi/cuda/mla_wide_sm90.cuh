@@ -8,9 +8,13 @@
 // three warpgroups.
 //
 //   * Producer (warpgroup 0, few registers): queries into nine 128-byte-swizzled
-//     panels of 64 dims, then the unit's keys, 32 per block, gathered through
-//     the page table with 16-byte cp.async into a four-stage ring (any page
-//     size). A stage is three groups with their own "full" and "empty"
+//     panels of 64 dims, then the unit's keys, 32 per block, into a four-stage
+//     ring. A block of 32 valid keys inside one page (page size >= 32: every
+//     block but a unit's partial last one) is one TMA box per 64-dim panel
+//     (cp.async.bulk.tensor, tensor maps made on the host per launch), its bytes
+//     counted on the stage's barrier; other blocks (page sizes < 32, partial
+//     blocks, bad page ids) are gathered through the page table with 16-byte
+//     cp.async. A stage is three groups with their own "full" and "empty"
 //     mbarriers: the rope panel (dims 512-575, and a validity mask of the
 //     block's keys), the left half of the latent (dims 0-255) and the right
 //     half (256-511). Each group is refilled as soon as its last reader is
@@ -21,16 +25,18 @@
 //     columns: consumer c keeps O[:, 256c : 256c + 256] in registers (128
 //     floats per thread). They take the key blocks in pairs: consumer 0
 //     computes S = Q K^T of the even block (A), consumer 1 of the odd one (B),
-//     both with wgmma (m64n32k16; the queries' rope panel from registers, the
-//     rest from shared memory), so the two S products and the softmax of the
-//     other consumer overlap. Then each needs both blocks' probabilities for
-//     its own columns:
+//     both with wgmma m64n32k16 (queries and keys from shared memory), so the
+//     two S products and the softmax of the other consumer overlap. Then each
+//     needs both blocks' probabilities for its own columns:
 //
-//       consumer 0: S_A; softmax A (max m_A) ............ signal A (m_A, P_A)
+//       consumer 0: softmax A (max m_A) ................ signal A (m_A, P_A)
 //                   O_L = a_A O_L + P_A V_A[:, left]       (P_A from registers)
+//                   S_A of the next pair goes in behind it
 //                   wait B; O_L = a_B O_L + P_B V_B[:, left] (P_B via shared memory)
-//       consumer 1: S_B; wait A; softmax B from m_A (max m_B); signal B (m_B, P_B)
+//                   softmax of the next A while that PV runs
+//       consumer 1: wait A; softmax B from m_A (max m_B); signal B (m_B, P_B)
 //                   O_R = a_A a_B O_R + P_B V_B[:, right] + (a_B P_A) V_A[:, right]
+//                   S_B of the next pair goes in behind it
 //
 //     The signals are mbarriers (one phase per pair, every thread of the
 //     sending consumer arrives), which also order the reuse of the P and

@@ -350,6 +350,23 @@ __device__ __forceinline__ float wide_alpha(float m_old, float m_new) {
   return fast_exp2(m_old - (m_new == -INFINITY ? 0.f : m_new));
 }
 
+// A block's softmax step, in place: mask and scale the scores, the rows' new max m_new
+// (against the running max m_prev), alpha = the factor for what was accumulated against
+// m_prev, P = 2^(S - m_new) and the thread's partial row sums of P.
+__device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], float scale_log2, uint32_t base, int stage,
+                                             int key0, const int (&limit)[2], int t4, const float (&m_prev)[2],
+                                             float (&m_new)[2], float (&alpha)[2], float (&sum)[2]) {
+  wide_mask(s, scale_log2, base, stage, key0, limit, t4);
+  float mx[2];
+  wide_row_max(s, mx);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    m_new[e] = fmaxf(m_prev[e], mx[e]);
+    alpha[e] = wide_alpha(m_prev[e], m_new[e]);
+  }
+  wide_exp(s, m_new, sum);
+}
+
 constexpr int kWideKSteps = WideSm90::BK / 16;  // k16 steps of P V per block
 
 // The 64 x 32 probabilities as the A fragments of two k16 steps.
@@ -462,15 +479,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   // Consumer 0's softmax of block A (scores in s) against the running max.
   auto softmax_a = [&](int stage_a, int key0) {
     fence_registers(s);
-    wide_mask(s, p.scale_log2, base, stage_a, key0, limit, t4);
-    float mx[2];
-    wide_row_max(s, mx);
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      a_max[e] = fmaxf(m_run[e], mx[e]);
-      a_alpha[e] = wide_alpha(m_run[e], a_max[e]);
-    }
-    wide_exp(s, a_max, a_sum);
+    wide_softmax(s, p.scale_log2, base, stage_a, key0, limit, t4, m_run, a_max, a_alpha, a_sum);
     if (lane == 0) {  // S and the mask are read: the rope panel and the right half go back
       mbar_arrive(W::empty_bar(base, stage_a, W::kRope));
       mbar_arrive(W::empty_bar(base, stage_a, W::kRight));
@@ -566,15 +575,8 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
         m_b[e] = m_a[e];
       }
       if (has_b) {
-        wide_mask(s, p.scale_log2, base, stage_b, key0 + W::BK, limit, t4);
-        float mx[2], sum[2];
-        wide_row_max(s, mx);
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          m_b[e] = fmaxf(m_a[e], mx[e]);
-          a_b[e] = wide_alpha(m_a[e], m_b[e]);
-        }
-        wide_exp(s, m_b, sum);
+        float sum[2];
+        wide_softmax(s, p.scale_log2, base, stage_b, key0 + W::BK, limit, t4, m_a, m_b, a_b, sum);
         if (lane == 0) {  // S_B and its mask are read: rope panel and left half go back
           mbar_arrive(W::empty_bar(base, stage_b, W::kRope));
           mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));

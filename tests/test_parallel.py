@@ -93,6 +93,7 @@ MESH_SCRIPT = """
         with jax.transfer_guard_device_to_device("disallow"), jax.transfer_guard_device_to_host("disallow"):
             gen.decode(3)
             gen.decode_jitted(2)
+            gen.decode(4, steps_per_dispatch=2)
         colls[str(shape) + " cache"] = [str(a) for a in gen.caches[0].ckv.sharding.spec]
     res["collectives"] = colls
 
@@ -104,6 +105,10 @@ MESH_SCRIPT = """
     mesh_gen = Generator(tiny_model(), manager(), backend="ffi", mesh=make_mesh(2, 2))
     res["stream"] = dict(equal=mesh_gen.serve(prompts, budget) == one, stats=mesh_gen.stream_stats,
                          lengths=[len(o) for o in one] == budget.tolist())
+    # ... and so does one with three steps per dispatch.
+    mesh_gen = Generator(tiny_model(), manager(), backend="ffi", mesh=make_mesh(2, 2))
+    res["stream"]["multi_step_equal"] = mesh_gen.serve(prompts, budget, steps_per_dispatch=3) == one
+    res["stream"]["multi_step_traces"] = dict(mesh_gen.traces)
 
     # Argument checks.
     errors = []
@@ -150,6 +155,7 @@ def test_mesh_decode_step_moves_no_data(mesh_results):
 def test_mesh_stream_of_requests_equals_single_device(mesh_results):
     r = mesh_results["stream"]
     assert r["equal"] and r["lengths"] and r["stats"]["prefill_steps"] > 1
+    assert r["multi_step_equal"] and r["multi_step_traces"].get("decode", 0) == 0, r
 
 
 def test_mesh_bad_arguments(mesh_results):

@@ -57,6 +57,7 @@
 #include "mla_hopper.cuh"
 #include "mla_attention_kernel.cuh"
 #include "mla_narrow_kernel.cuh"
+#include "mla_stages.cuh"
 
 namespace jax_mla {
 namespace cuda {
@@ -146,24 +147,12 @@ __device__ __forceinline__ void wide_producer(const Problem& p, const KeyTensorM
   const int tid = threadIdx.x;  // 0..127
   const int warp = tid >> 5, lane = tid & 31;
   const int rows = u.q_len * hb;
-  const T* q_nope = static_cast<const T*>(p.q_nope);
-  const T* q_pe = static_cast<const T*>(p.q_pe);
   const T* ckv = static_cast<const T*>(p.ckv);
   const T* kpe = static_cast<const T*>(p.kpe);
 
   // Queries: rows r = (token r / hb, head h0 + r % hb); padding rows zero.
-  for (int idx = tid; idx < W::ROWS * kChunksPerKey; idx += 128) {
-    const int r = idx / kChunksPerKey, c = idx - r * kChunksPerKey;
-    const void* src = q_nope;
-    int bytes = 0;
-    if (r < rows) {
-      const size_t tok_head = (size_t)(u.q_start + r / hb) * p.num_heads + h0 + r % hb;
-      src = c < 64 ? (const void*)(q_nope + tok_head * kDimCkv + c * 8)
-                   : (const void*)(q_pe + tok_head * kDimKpe + (c - 64) * 8);
-      bytes = 16;
-    }
-    cp_async16(base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL), src, bytes);
-  }
+  load_query_tile<T, W::ROWS, 128>(p, u, h0, hb, rows, tid,
+                                   [&](int r, int c) { return base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL); });
   mbar_arrive_on_cp_async(W::query_bar(base));
 
   // Keys: warp w gathers the keys w, w + 4, ..., w + 28 of every block; lane j < 8

@@ -312,30 +312,12 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   __syncthreads();
 
   // ---- epilogue: normalise and store (directly, or as a split partial) ----
-  const bool direct = u.partial_row < 0;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int r = g + 8 * e;
     if (r >= rows) continue;
-    const float l = lsum_s[r];
-    // l = 0: no key, zeros; NaN l (a NaN score) stays NaN. An fp8 cache's scale enters here (mla_fp8.cuh).
-    const float inv = l != 0.f ? scales.out / l : 0.f;
-    const float lse = l != 0.f ? (mfin_s[r] + __log2f(l)) * kLn2 : -INFINITY;
-    const int i = r / hb, h = h0 + r % hb;
-    const int col0 = warp * 64 + 2 * t4;
-    if (direct) {
-      const size_t row = (size_t)(u.q_start + i) * p.num_heads + h;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * kDimCkv + col0);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) dst[nt * 4] = pack2<T>(o[nt][2 * e] * inv, o[nt][2 * e + 1] * inv);
-      if (warp == 0 && t4 == 0) p.lse[row] = lse;
-    } else {
-      const size_t row = (size_t)(u.partial_row + i) * p.num_heads + h;
-      float2* dst = reinterpret_cast<float2*>(p.partial_o + row * kDimCkv + col0);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) dst[nt * 4] = make_float2(o[nt][2 * e] * inv, o[nt][2 * e + 1] * inv);
-      if (warp == 0 && t4 == 0) p.partial_lse[row] = lse;
-    }
+    store_tile_row<T, 8>(p, u, h0, hb, r, warp * 64 + 2 * t4, lsum_s[r], mfin_s[r], scales.out, warp == 0 && t4 == 0,
+                         [&](int nt) { return make_float2(o[nt][2 * e], o[nt][2 * e + 1]); });
   }
 }
 

@@ -1,5 +1,5 @@
 // Stages every attention body shares, written once: the query tile load, the
-// page-id ring and the per-row key gather. A body passes its shared-memory layout
+// page-id ring, the per-row key gather and the epilogue of a tile row. A body passes its shared-memory layout
 // as a chunk-address function; the stage does the indexing, bounds and zero-fill.
 // (The fp8 side of a key row is gather_key_row in mla_fp8.cuh; the wgmma body's
 // TMA path for whole blocks is its own, in mla_wide_sm90.cuh.)
@@ -73,6 +73,37 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
     gather_key_row<kCache>([&](int c) { return chunk(kl, c); }, ckv + slot * F::kCkvBytes, kpe + slot * F::kKpeBytes,
                            sub, ok ? 16 : 0);
     if (sub == 0) key_ok[stage * BK + kl] = ok;
+  }
+}
+
+// Epilogue of tile row r: O / l (l = 0: no key, zeros; a NaN l stays NaN) times out_scale (an fp8
+// cache's scale, mla_fp8.cuh), stored in the query type, or in float32 as a split unit's partial
+// for the merge; and, where write_lse, the row's LSE (natural log; -inf with no key). m_log2 is the
+// row's running max in base 2. The thread holds NPAIRS column pairs at col0 + 8 j: pair(j) gives them.
+template <typename T, int NPAIRS, typename Pair>
+__device__ __forceinline__ void store_tile_row(const Problem& p, const Unit& u, int h0, int hb, int r, int col0,
+                                               float l, float m_log2, float out_scale, bool write_lse, Pair pair) {
+  const float inv = l != 0.f ? out_scale / l : 0.f;
+  const float lse = l != 0.f ? (m_log2 + __log2f(l)) * kLn2 : -INFINITY;
+  const int i = r / hb, h = h0 + r % hb;
+  if (u.partial_row < 0) {
+    const size_t row = (size_t)(u.q_start + i) * p.num_heads + h;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * kDimCkv + col0);
+#pragma unroll
+    for (int j = 0; j < NPAIRS; ++j) {
+      const float2 v = pair(j);
+      dst[j * 4] = pack2<T>(v.x * inv, v.y * inv);
+    }
+    if (write_lse) p.lse[row] = lse;
+  } else {
+    const size_t row = (size_t)(u.partial_row + i) * p.num_heads + h;
+    float2* dst = reinterpret_cast<float2*>(p.partial_o + row * kDimCkv + col0);
+#pragma unroll
+    for (int j = 0; j < NPAIRS; ++j) {
+      const float2 v = pair(j);
+      dst[j * 4] = make_float2(v.x * inv, v.y * inv);
+    }
+    if (write_lse) p.partial_lse[row] = lse;
   }
 }
 

@@ -630,27 +630,12 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
     if (t4 == 0) *stat_ptr(W::kSum0 + HALF, r[e]) = l;
   }
   named_barrier_sync(W::kConsumers, W::kConsumerThreads);
-  const bool direct = u.partial_row < 0;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     if (r[e] >= rows) continue;
     const float l = *stat_ptr(W::kSum0, r[e]) + *stat_ptr(W::kSum1, r[e]);
-    const float inv = l != 0.f ? 1.f / l : 0.f;  // l = 0: no key, zeros; NaN l (a NaN score) stays NaN
-    const int i = r[e] / hb, h = h0 + r[e] % hb;
-    const int col0 = HALF * 256 + 2 * t4;
-    if (direct) {
-      const size_t row = (size_t)(u.q_start + i) * p.num_heads + h;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * kDimCkv + col0);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) dst[j * 4] = pack2<T>(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
-      if (HALF == 0 && t4 == 0) p.lse[row] = l != 0.f ? (m_run[e] + __log2f(l)) * kLn2 : -INFINITY;
-    } else {
-      const size_t row = (size_t)(u.partial_row + i) * p.num_heads + h;
-      float2* dst = reinterpret_cast<float2*>(p.partial_o + row * kDimCkv + col0);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) dst[j * 4] = make_float2(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
-      if (HALF == 0 && t4 == 0) p.partial_lse[row] = l != 0.f ? (m_run[e] + __log2f(l)) * kLn2 : -INFINITY;
-    }
+    store_tile_row<T, 32>(p, u, h0, hb, r[e], HALF * 256 + 2 * t4, l, m_run[e], 1.f, HALF == 0 && t4 == 0,
+                          [&](int j) { return make_float2(o[4 * j + 2 * e], o[4 * j + 2 * e + 1]); });
   }
 }
 

@@ -385,39 +385,13 @@ class Generator:
         num_steps = _count("num_steps", num_steps)
         fetch_lag = _count("fetch_lag", fetch_lag)
         k = _count("steps_per_dispatch", steps_per_dispatch, minimum=1)
-        mgr = self.manager
         slots, qo, num_tokens, row_slot = self._decode_rows()
         all_logits = []
         done = 0
         while done < num_steps:
             n = min(k, num_steps - done)
-            t0 = time.perf_counter()
-            mgr.reserve(slots, n)
-            kv = mgr.lengths + n * qo  # the plan is made for the window's last step
-            ta = time.perf_counter()
-            plan = mgr.plan(qo, kv, num_heads=self.local_heads, num_tokens=num_tokens)
-            tb = time.perf_counter()
-            page_table = mgr.sync()
-            tc = time.perf_counter()
-            if n == 1:
-                host, layout, static = self._pack(plan, kv_lens=kv)
-            else:
-                host, layout, static = self._pack(plan, kv_lens=mgr.lengths, step_lens=qo)
-            t1 = time.perf_counter()
-            with jax.transfer_guard_device_to_host("disallow"):
-                run = self._decode_step if n == 1 else functools.partial(self._decode_scan, num_steps=n)
-                self.caches, self.next_tokens, self.rng, emitted, logits = run(
-                    self.params, self.caches, page_table, host, self.next_tokens, self.rng, layout=layout,
-                    plan_static=static, with_logits=with_logits)
-            t2 = time.perf_counter()
-            mgr.commit(slots, n)
-            # plan_s is the host work before the dispatch; its parts: reserve_s (pages), plan_mla_s,
-            # sync_s (page-table changes sent), pack_s (the step's host buffer, and its transfer).
-            for name, t in (("plan_s", t1 - t0), ("reserve_s", ta - t0), ("plan_mla_s", tb - ta),
-                            ("sync_s", tc - tb), ("pack_s", t1 - tc), ("dispatch_s", t2 - t1),
-                            ("h2d_bytes", host.nbytes + 12 * mgr.last_sync_entries)):
-                self.timings[name].append(t / n)
-            self._queue(row_slot, emitted)
+            logits = self._dispatch_decode(slots, qo, num_tokens, row_slot, n, scan=n > 1, with_logits=with_logits,
+                                           record=True)
             self._read(keep=fetch_lag)
             if with_logits:
                 all_logits.extend([logits] if n == 1 else list(logits))
@@ -427,6 +401,44 @@ class Generator:
             done += n
         return all_logits if with_logits else None
 
+    def _dispatch_decode(self, slots, qo, num_tokens, row_slot, n, *, scan, with_logits, record):
+        """One dispatch of n decode steps of `slots`: reserve their pages, plan for the lengths after
+        the last step, send page-table changes, run the single step (n = 1, not scan) or a lax.scan
+        of n steps on that plan under the device-to-host guard, commit, queue the sampled tokens.
+        Returns the logits (None unless with_logits); with record, the host times per step go to
+        `timings`."""
+        mgr = self.manager
+        t0 = time.perf_counter()
+        mgr.reserve(slots, n)
+        kv = mgr.lengths + n * qo  # the plan is made for the last step's lengths
+        ta = time.perf_counter()
+        plan = mgr.plan(qo, kv, num_heads=self.local_heads, num_tokens=num_tokens)
+        tb = time.perf_counter()
+        page_table = mgr.sync()
+        tc = time.perf_counter()
+        if scan:
+            host, layout, static = self._pack(plan, kv_lens=mgr.lengths, step_lens=qo)
+            run = functools.partial(self._decode_scan, num_steps=n)
+        else:
+            host, layout, static = self._pack(plan, kv_lens=kv)
+            run = self._decode_step
+        t1 = time.perf_counter()
+        with jax.transfer_guard_device_to_host("disallow"):
+            self.caches, self.next_tokens, self.rng, emitted, logits = run(
+                self.params, self.caches, page_table, host, self.next_tokens, self.rng, layout=layout,
+                plan_static=static, with_logits=with_logits)
+        t2 = time.perf_counter()
+        mgr.commit(slots, n)
+        if record:
+            # plan_s is the host work before the dispatch; its parts: reserve_s (pages), plan_mla_s,
+            # sync_s (page-table changes sent), pack_s (the step's host buffer, and its transfer).
+            for name, t in (("plan_s", t1 - t0), ("reserve_s", ta - t0), ("plan_mla_s", tb - ta),
+                            ("sync_s", tc - tb), ("pack_s", t1 - tc), ("dispatch_s", t2 - t1),
+                            ("h2d_bytes", host.nbytes + 12 * mgr.last_sync_entries)):
+                self.timings[name].append(t / n)
+        self._queue(row_slot, emitted)
+        return logits
+
     def decode_jitted(self, num_steps: int) -> None:
         """num_steps decode steps of every active slot in one jitted lax.scan, on one plan.
 
@@ -435,18 +447,9 @@ class Generator:
         """
         if _count("num_steps", num_steps) == 0:
             return
-        mgr = self.manager
         slots, qo, num_tokens, row_slot = self._decode_rows()
-        mgr.reserve(slots, num_steps)
-        plan = mgr.plan(qo, mgr.lengths + num_steps * qo, num_heads=self.local_heads, num_tokens=num_tokens)
-        page_table = mgr.sync()
-        host, layout, static = self._pack(plan, kv_lens=mgr.lengths, step_lens=qo)
-        with jax.transfer_guard_device_to_host("disallow"):
-            self.caches, self.next_tokens, self.rng, emitted, _ = self._decode_scan(
-                self.params, self.caches, page_table, host, self.next_tokens, self.rng, layout=layout,
-                plan_static=static, num_steps=int(num_steps), with_logits=False)
-        mgr.commit(slots, num_steps)
-        self._queue(row_slot, emitted)
+        self._dispatch_decode(slots, qo, num_tokens, row_slot, int(num_steps), scan=True, with_logits=False,
+                              record=False)
 
     def lower_decode_step(self, *, with_logits: bool = False) -> jax.stages.Lowered:
         """The jitted decode step for the active requests, lowered, not run (nothing changes): to

@@ -42,10 +42,10 @@ def v2_lite_attention_config(layers: int, heads: int) -> DeepseekConfig:
                           intermediate_size=1, num_hidden_layers=layers, model_type="deepseek_v2")
 
 
-def fresh_generator(model, args, backend, seed):
-    """A generator whose requests already hold `context` tokens of random latents."""
-    slack = (1 + args.repeats) * args.chain + 2 * args.host_steps + 2 * args.steps_per_dispatch + 4
-    pages_per_request = -(-(args.context + slack) // args.page_size)
+def fresh_generator(model, args, backend, seed, steps):
+    """A generator whose requests already hold `context` tokens of random latents, with pages for
+    `steps` more decode steps."""
+    pages_per_request = -(-(args.context + steps + 2) // args.page_size)
     mgr = PagedCacheManager(num_pages=args.batch * pages_per_request, page_size=args.page_size,
                             max_requests=args.batch, max_pages_per_request=pages_per_request)
     gen = Generator(model, mgr, backend=backend, min_token_bucket=args.batch)
@@ -65,13 +65,29 @@ def fresh_generator(model, args, backend, seed):
     return gen
 
 
+def median_us(fn, reps: int = 50) -> float:
+    """Median host time of fn() in us (what handing over a call costs), after a warm-up call; each
+    result is waited for outside the timing."""
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        r = fn()
+        ts.append(time.perf_counter() - t0)
+        jax.block_until_ready(r)
+    return 1e6 * float(np.median(ts))
+
+
 def measure(model, args, backend):
     # One step's logits, for the check against the reference.
-    gen = fresh_generator(model, args, backend, seed=1)
+    gen = fresh_generator(model, args, backend, seed=1, steps=1)
     logits = np.asarray(gen.decode(1, with_logits=True)[0], np.float32)[: args.batch]
     del gen
 
-    gen = fresh_generator(model, args, backend, seed=2)
+    # Steps: the chains (a warm-up and --repeats), then each host loop's compile and timed steps.
+    k = args.steps_per_dispatch
+    gen = fresh_generator(model, args, backend, seed=2,
+                          steps=(1 + args.repeats) * args.chain + (2 * k + args.host_steps) + (2 + args.host_steps))
     gen.decode_jitted(args.chain)  # compile + warm up
     jax.block_until_ready(gen.caches)
     per_step = []
@@ -105,14 +121,7 @@ def measure(model, args, backend):
     host, _, _ = gen._pack(plan, kv_lens=mgr.lengths + qo)
     args_only = jax.jit(lambda params, caches, table, host, tokens, rng: tokens + host[0, 0])
     call = (gen.params, gen.caches, mgr.device_page_table, host, gen.next_tokens, gen.rng)
-    jax.block_until_ready(args_only(*call))
-    t_args = []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        r = args_only(*call)
-        t_args.append(time.perf_counter() - t0)
-        jax.block_until_ready(r)
-    args_us = 1e6 * float(np.median(t_args))
+    args_us = median_us(lambda: args_only(*call))
     breakdown = {"reserve_us": med["reserve_s"], "plan_mla_us": med["plan_mla_s"], "sync_us": med["sync_s"],
                  "pack_and_transfer_us": med["pack_s"], "dispatch_arguments_us": args_us,
                  "dispatch_launch_us": med["dispatch_s"] - args_us, "arguments": len(jax.tree.leaves(call))}
@@ -161,10 +170,11 @@ def measure_stream(model, args, admit: str) -> dict:
     # Steady state: --batch requests of the stream's mean final length, host-planned decode.
     context = int(np.mean([len(p) for p in prompts]) + new.mean() / 2)
     steady_args = argparse.Namespace(**{**vars(args), "context": context})
-    steady = fresh_generator(model, steady_args, "auto", seed=3)
     # Warm up past a page boundary: every request crosses it in the same step, and that page-table
     # update's size class compiles once.
-    steady.decode(args.page_size + 2 * k, steps_per_dispatch=k)
+    warm = args.page_size + 2 * k
+    steady = fresh_generator(model, steady_args, "auto", seed=3, steps=warm + args.host_steps)
+    steady.decode(warm, steps_per_dispatch=k)
     steady.results()
     t0 = time.perf_counter()
     steady.decode(args.host_steps, fetch_lag=4, steps_per_dispatch=k)
@@ -242,23 +252,23 @@ def main(argv=None):
           f"one step per dispatch")
     print(f"{'backend':<10} {'device ms/step':>15} {'plan us':>13} {'dispatch us':>13} {'loop ms/step':>15} "
           f"{'loop/device':>12} {'kv GB/s':>9} {'rel err':>9}")
+
+    def row(label, r):
+        one = r["one_step_per_dispatch"]
+        return (f"{label:<10} {r['device_ms_per_step']:>15.3f} {r['host_plan_us']:>5.0f} ({one['host_plan_us']:>4.0f}) "
+                f"{r['host_dispatch_us']:>5.0f} ({one['host_dispatch_us']:>4.0f}) {r['loop_ms_per_step']:>6.3f} "
+                f"({one['loop_ms_per_step']:.3f}) {r['loop_ms_per_step'] / r['device_ms_per_step']:>12.2f}")
+
     for backend, r in results.items():
         gbs = kv_bytes / (r["device_ms_per_step"] * 1e-3) / 1e9
         r["kv_gb_per_s_whole_step"] = gbs
-        one = r["one_step_per_dispatch"]
-        print(f"{backend:<10} {r['device_ms_per_step']:>15.3f} {r['host_plan_us']:>5.0f} ({one['host_plan_us']:>4.0f}) "
-              f"{r['host_dispatch_us']:>5.0f} ({one['host_dispatch_us']:>4.0f}) {r['loop_ms_per_step']:>6.3f} "
-              f"({one['loop_ms_per_step']:.3f}) {r['loop_ms_per_step'] / r['device_ms_per_step']:>12.2f} {gbs:>9.1f} "
-              f"{r['logits_rel_err_vs_reference']:>9.2e}")
+        print(f"{row(backend, r)} {gbs:>9.1f} {r['logits_rel_err_vs_reference']:>9.2e}")
     extra = {}
     for b in [int(x) for x in args.extra_batches.split(",") if x.strip()]:
         args_b = argparse.Namespace(**{**vars(args), "batch": b})
         _, r = measure(model, args_b, "auto")
         extra[f"batch{b}"] = r
-        one = r["one_step_per_dispatch"]
-        print(f"batch {b:<4} {r['device_ms_per_step']:>15.3f} {r['host_plan_us']:>5.0f} ({one['host_plan_us']:>4.0f}) "
-              f"{r['host_dispatch_us']:>5.0f} ({one['host_dispatch_us']:>4.0f}) {r['loop_ms_per_step']:>6.3f} "
-              f"({one['loop_ms_per_step']:.3f}) {r['loop_ms_per_step'] / r['device_ms_per_step']:>12.2f}")
+        print(row(f"batch {b}", r))
     b = results["auto"]["one_step_per_dispatch"]["host_breakdown"]
     print(f"\nhost per step ('auto', one step per dispatch): reserve {b['reserve_us']:.0f} us, plan_mla {b['plan_mla_us']:.0f} us, "
           f"page-table sync {b['sync_us']:.0f} us, pack + transfer {b['pack_and_transfer_us']:.0f} us; dispatch: "

@@ -39,19 +39,6 @@ VARIANTS = {
 }
 
 
-def median_us(fn, reps: int = 50) -> float:
-    import jax
-    import numpy as np
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        r = fn()
-        ts.append(time.perf_counter() - t0)
-        jax.block_until_ready(r)
-    return 1e6 * float(np.median(ts))
-
-
 def host_events(trace_dir: str) -> list[dict]:
     """Complete events on host threads of the Perfetto trace under trace_dir."""
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
@@ -73,14 +60,14 @@ def run(args) -> dict:
     from flax import nnx
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_decode import fresh_generator, v2_lite_attention_config
+    from bench_decode import fresh_generator, median_us, v2_lite_attention_config
     from jax_mla.nn import DeepseekModel
 
     cfg = v2_lite_attention_config(args.layers, args.heads)
     model = DeepseekModel(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, with_mlp=False)
-    ns = argparse.Namespace(batch=args.batch, context=args.context, page_size=args.page_size, repeats=0,
-                            chain=0, host_steps=args.steps * 4 + 64)
-    gen = fresh_generator(model, ns, "auto", seed=3)
+    ns = argparse.Namespace(batch=args.batch, context=args.context, page_size=args.page_size)
+    # Steps: a warm-up of 4, two loops of --steps, and the fixed-length step timed by itself.
+    gen = fresh_generator(model, ns, "auto", seed=3, steps=4 + 2 * args.steps + 1)
     gen.decode(4)
     jax.block_until_ready(gen.caches)
     gen.timings.clear()

@@ -110,27 +110,52 @@ __device__ __forceinline__ int visible_keys(const Unit& u, int i) {
   return (int)min((long long)u.kv_len, max(0LL, v));
 }
 
+// A plan row by its named columns (plan_layout.h), read as 16-byte loads.
+template <int kCols>
+struct PlanRow {
+  static_assert(kCols % 4 == 0, "a plan row is whole 16-byte loads");
+  int col[kCols];
+  __device__ __forceinline__ int operator[](int c) const { return col[c]; }
+};
+using WorkRow = PlanRow<kWorkCols>;
+using MergeRow = PlanRow<kMergeCols>;
+
+// Row `index` of a table of kCols columns, its first kRead columns (whole 16-byte loads).
+template <int kCols, int kRead = kCols>
+__device__ __forceinline__ PlanRow<kRead> load_plan_row(const int32_t* table, size_t index) {
+  static_assert(kRead <= kCols, "a row's own columns");
+  PlanRow<kRead> r;
+  const int4* src = reinterpret_cast<const int4*>(table + index * kCols);
+#pragma unroll
+  for (int k = 0; k < kRead / 4; ++k) {
+    const int4 v = __ldg(src + k);
+    r.col[4 * k] = v.x;
+    r.col[4 * k + 1] = v.y;
+    r.col[4 * k + 2] = v.z;
+    r.col[4 * k + 3] = v.w;
+  }
+  return r;
+}
+
 // Reads work row `index`; false for padding rows and for rows that would make
 // the kernel touch memory outside its operands (a plan for other shapes). The
 // device length is only requested here (kv_len holds the raw value until
 // finish_unit), so a kernel can issue its first page-table and query loads
 // before the length arrives.
 __device__ __forceinline__ bool start_unit(const Problem& p, int index, Unit& u) {
-  const int4* row = reinterpret_cast<const int4*>(p.work + (size_t)index * kWorkCols);
-  const int4 a = __ldg(row);
-  const int4 b = __ldg(row + 1);
-  u.request = a.x;
-  u.q_start = a.y;
-  u.q_len = a.z;
-  u.q_end_offset = a.w;
-  u.partial_row = b.z;
+  const WorkRow w = load_plan_row<kWorkCols>(p.work, (size_t)index);
+  u.request = w[kWorkRequest];
+  u.q_start = w[kWorkQStart];
+  u.q_len = w[kWorkQLen];
+  u.q_end_offset = w[kWorkQEndOffset];
+  u.partial_row = w[kWorkPartialRow];
   if (u.q_len <= 0 || u.q_len > p.q_tile) return false;
   if (u.q_start < 0 || (long long)u.q_start + u.q_len > p.num_tokens) return false;
   if (u.partial_row >= 0 && (long long)u.partial_row + u.q_len > p.num_partial_rows) return false;
   const bool has_len = u.request >= 0 && u.request < p.num_requests && u.request < p.num_kv_lens;
   u.kv_len = has_len ? __ldg(p.kv_lens + u.request) : 0;
-  u.kv_begin = max(b.x, 0);
-  u.kv_stop = max(b.y, u.kv_begin);
+  u.kv_begin = max(w[kWorkKvStart], 0);
+  u.kv_stop = max(w[kWorkKvEnd], u.kv_begin);
   u.range_end = u.kv_begin;
   return true;
 }
@@ -152,8 +177,9 @@ __device__ __forceinline__ bool decode_unit(const Problem& p, int index, Unit& u
 }
 
 // A merge row is usable when every partial row it names lies in the workspace.
-__device__ __forceinline__ bool merge_row_ok(const Problem& p, int4 m) {
-  const int q_start = m.x, q_len = m.y, base = m.z, splits = m.w;
+__device__ __forceinline__ bool merge_row_ok(const Problem& p, const MergeRow& m) {
+  const int q_start = m[kMergeQStart], q_len = m[kMergeQLen], base = m[kMergePartialRow];
+  const int splits = m[kMergeNumSplits];
   if (q_len <= 0 || q_len > p.q_tile || splits < 1 || base < 0 || q_start < 0) return false;
   if ((long long)q_start + q_len > p.num_tokens) return false;
   return (long long)base + (long long)splits * q_len <= p.num_partial_rows;

@@ -131,16 +131,17 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
   // The plan tables are inputs of the op (complete before the attention kernel
   // started), so they are read while the attention grid still runs.
   auto merge_rows = [&](int m0) {
-    int4 mr = make_int4(0, 0, 0, 0);
-    if (m0 + lane < p.num_merge) mr = __ldg(reinterpret_cast<const int4*>(p.merge) + m0 + lane);
+    MergeRow mr = {};
+    if (m0 + lane < p.num_merge) mr = load_plan_row<kMergeCols>(p.merge, (size_t)(m0 + lane));
     return mr;
   };
-  const int4 mr_first = merge_rows(0);
+  const MergeRow mr_first = merge_rows(0);
   // Padding tokens are [end, T), end = one past the last token any unit covers.
   int end = 0;
   for (int w = tid; w < p.num_work; w += kThreads) {
-    const int4 a = __ldg(reinterpret_cast<const int4*>(p.work + (size_t)w * kWorkCols));
-    const int q_start = a.y, q_len = a.z;
+    static_assert(kWorkQStart < 4 && kWorkQLen < 4, "the tokens of a unit are in its first load");
+    const auto a = load_plan_row<kWorkCols, 4>(p.work, (size_t)w);
+    const int q_start = a[kWorkQStart], q_len = a[kWorkQLen];
     if (q_len > 0 && q_len <= p.q_tile && q_start >= 0 && (long long)q_start + q_len <= p.num_tokens) {
       end = max(end, q_start + q_len);
     }
@@ -158,8 +159,9 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
   // ---- merges: number the tasks 32 merge rows at a time (every warp alike) ----
   long long task_base = 0;
   for (int m0 = 0; m0 < p.num_merge; m0 += 32) {
-    const int4 mr = m0 == 0 ? mr_first : merge_rows(m0);
-    const long long mine = merge_row_ok(p, mr) ? (long long)mr.y * p.num_heads * merge_parts(mr.w) : 0;
+    const MergeRow mr = m0 == 0 ? mr_first : merge_rows(m0);
+    const long long mine =
+        merge_row_ok(p, mr) ? (long long)mr[kMergeQLen] * p.num_heads * merge_parts(mr[kMergeNumSplits]) : 0;
     long long incl = mine;  // inclusive prefix over the lanes
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -174,10 +176,10 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
       const unsigned owners = __ballot_sync(0xffffffffu, incl > local);
       const int src = __ffs(owners) - 1;  // first lane whose prefix passes local
       const long long start = __shfl_sync(0xffffffffu, incl - mine, src);
-      const int q_start = __shfl_sync(0xffffffffu, mr.x, src);
-      const int q_len = __shfl_sync(0xffffffffu, mr.y, src);
-      const int base = __shfl_sync(0xffffffffu, mr.z, src);
-      const int splits = __shfl_sync(0xffffffffu, mr.w, src);
+      const int q_start = __shfl_sync(0xffffffffu, mr[kMergeQStart], src);
+      const int q_len = __shfl_sync(0xffffffffu, mr[kMergeQLen], src);
+      const int base = __shfl_sync(0xffffffffu, mr[kMergePartialRow], src);
+      const int splits = __shfl_sync(0xffffffffu, mr[kMergeNumSplits], src);
       const int parts = merge_parts(splits);
       const int in_row = (int)(local - start);
       const int i = in_row / (p.num_heads * parts);

@@ -22,6 +22,7 @@
 
 #include "mla_common.cuh"
 #include "mla_fp8.cuh"
+#include "mla_stages.cuh"
 
 namespace jax_mla {
 namespace cuda {
@@ -76,7 +77,6 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
 
 template <typename T, typename Shape, int kCache = kCacheAsQuery>
 __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int h0, int hb, char* smem) {
-  using F = CacheFormat<kCache>;
   constexpr int BK = Shape::BK, STAGES = Shape::STAGES, DS = Shape::DS, KSTEPS = Shape::KSTEPS;
   constexpr int KPL = Shape::KPL, PASSES = Shape::PASSES;
 
@@ -94,59 +94,27 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   unsigned char* key_ok = reinterpret_cast<unsigned char*>(smem + Shape::KEY_OK_OFF);
   int* page_ring = reinterpret_cast<int*>(smem + Shape::PAGE_RING_OFF);
 
-  const T* q_nope = static_cast<const T*>(p.q_nope);
-  const T* q_pe = static_cast<const T*>(p.q_pe);
-  const char* ckv = static_cast<const char*>(p.ckv);
-  const char* kpe = static_cast<const char*>(p.kpe);
   const CacheScales scales = cache_scales<kCache>(p);
   const float scale_log2 = p.scale_log2 * scales.score;
 
   // ---- queries, staged (rows r = (token r / hb, head h0 + r % hb); padding rows zero) ----
-  for (int idx = tid; idx < Shape::ROWS * kChunksPerKey; idx += kThreads) {
-    const int r = idx / kChunksPerKey, c = idx - r * kChunksPerKey;
-    const void* src = q_nope;
-    int bytes = 0;
-    if (r < rows) {
-      const size_t tok_head = (size_t)(u.q_start + r / hb) * p.num_heads + h0 + r % hb;
-      src = c < 64 ? (const void*)(q_nope + tok_head * kDimCkv + c * 8)
-                   : (const void*)(q_pe + tok_head * kDimKpe + (c - 64) * 8);
-      bytes = 16;
-    }
-    cp_async16(s_q + swz(r, c), src, bytes);
-  }
+  load_query_tile<T, Shape::ROWS, kThreads>(p, u, h0, hb, rows, tid, [&](int r, int c) { return s_q + swz(r, c); });
 
   const int kv_begin = u.kv_begin;
   const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
-  const int sub = tid & 7;
   // Until the device length arrives (finish_unit below), page ids are fetched
   // up to the page table's bound; keys past the length are never gathered.
   int key_bound = u.request >= 0 && u.request < p.num_requests ? page_bound(p, u) : kv_begin;
   int num_blocks = INT_MAX;
 
   auto fetch_pages = [&](int blk) {
-    if (tid < BK) {
-      const int key = kv_begin + blk * BK + tid;
-      const bool ok = blk < num_blocks && key < key_bound;
-      const int* src = ok ? pt_row + (key >> p.log2_page_size) : p.page_table;
-      cp_async4(smem_addr(page_ring + (blk % Shape::PAGE_RING) * BK + tid), src, ok ? 4 : 0);
-    }
+    fetch_page_ids<BK, Shape::PAGE_RING>(p, pt_row, page_ring, kv_begin, blk, num_blocks, key_bound, tid);
   };
   auto issue_block = [&](int blk) {
     const int stage = blk % STAGES;
-    const int* pages = page_ring + (blk % Shape::PAGE_RING) * BK;
-#pragma unroll
-    for (int pass = 0; pass < PASSES; ++pass) {
-      const int kl = pass * 32 + (tid >> 3);
-      const int key = kv_begin + blk * BK + kl;
-      const int page = pages[kl];
-      const bool ok = key < u.range_end && page >= 0 && page < p.num_pages;
-      const size_t slot = ok ? (size_t)page * p.page_size + (key & (p.page_size - 1)) : 0;
-      const uint32_t dst = s_kv + (stage * BK + kl) * kNarrowRowBytes;
-      const int sw_row = kl & 7;  // swizzled chunk within each group of eight
-      gather_key_row<kCache>([&](int c) { return dst + ((c ^ sw_row) << 4); }, ckv + slot * F::kCkvBytes,
-                             kpe + slot * F::kKpeBytes, sub, ok ? 16 : 0);
-      if (sub == 0) key_ok[stage * BK + kl] = ok;
-    }
+    gather_key_block<kCache, BK, Shape::PAGE_RING, PASSES>(
+        p, u, page_ring, key_ok, kv_begin, blk, stage, tid,
+        [&](int kl, int c) { return s_kv + (stage * BK + kl) * kNarrowRowBytes + ((c ^ (kl & 7)) << 4); });
   };
 
   // Prologue: queries and the pages of blocks 0 .. 2S-3 in one round trip, with
@@ -344,30 +312,12 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   __syncthreads();
 
   // ---- epilogue: normalise and store (directly, or as a split partial) ----
-  const bool direct = u.partial_row < 0;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int r = g + 8 * e;
     if (r >= rows) continue;
-    const float l = lsum_s[r];
-    // l = 0: no key, zeros; NaN l (a NaN score) stays NaN. An fp8 cache's scale enters here (mla_fp8.cuh).
-    const float inv = l != 0.f ? scales.out / l : 0.f;
-    const float lse = l != 0.f ? (mfin_s[r] + __log2f(l)) * kLn2 : -INFINITY;
-    const int i = r / hb, h = h0 + r % hb;
-    const int col0 = warp * 64 + 2 * t4;
-    if (direct) {
-      const size_t row = (size_t)(u.q_start + i) * p.num_heads + h;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * kDimCkv + col0);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) dst[nt * 4] = pack2<T>(o[nt][2 * e] * inv, o[nt][2 * e + 1] * inv);
-      if (warp == 0 && t4 == 0) p.lse[row] = lse;
-    } else {
-      const size_t row = (size_t)(u.partial_row + i) * p.num_heads + h;
-      float2* dst = reinterpret_cast<float2*>(p.partial_o + row * kDimCkv + col0);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) dst[nt * 4] = make_float2(o[nt][2 * e] * inv, o[nt][2 * e + 1] * inv);
-      if (warp == 0 && t4 == 0) p.partial_lse[row] = lse;
-    }
+    store_tile_row<T, 8>(p, u, h0, hb, r, warp * 64 + 2 * t4, lsum_s[r], mfin_s[r], scales.out, warp == 0 && t4 == 0,
+                         [&](int nt) { return make_float2(o[nt][2 * e], o[nt][2 * e + 1]); });
   }
 }
 

@@ -57,6 +57,7 @@
 #include "mla_hopper.cuh"
 #include "mla_attention_kernel.cuh"
 #include "mla_narrow_kernel.cuh"
+#include "mla_stages.cuh"
 
 namespace jax_mla {
 namespace cuda {
@@ -146,24 +147,12 @@ __device__ __forceinline__ void wide_producer(const Problem& p, const KeyTensorM
   const int tid = threadIdx.x;  // 0..127
   const int warp = tid >> 5, lane = tid & 31;
   const int rows = u.q_len * hb;
-  const T* q_nope = static_cast<const T*>(p.q_nope);
-  const T* q_pe = static_cast<const T*>(p.q_pe);
   const T* ckv = static_cast<const T*>(p.ckv);
   const T* kpe = static_cast<const T*>(p.kpe);
 
   // Queries: rows r = (token r / hb, head h0 + r % hb); padding rows zero.
-  for (int idx = tid; idx < W::ROWS * kChunksPerKey; idx += 128) {
-    const int r = idx / kChunksPerKey, c = idx - r * kChunksPerKey;
-    const void* src = q_nope;
-    int bytes = 0;
-    if (r < rows) {
-      const size_t tok_head = (size_t)(u.q_start + r / hb) * p.num_heads + h0 + r % hb;
-      src = c < 64 ? (const void*)(q_nope + tok_head * kDimCkv + c * 8)
-                   : (const void*)(q_pe + tok_head * kDimKpe + (c - 64) * 8);
-      bytes = 16;
-    }
-    cp_async16(base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL), src, bytes);
-  }
+  load_query_tile<T, W::ROWS, 128>(p, u, h0, hb, rows, tid,
+                                   [&](int r, int c) { return base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL); });
   mbar_arrive_on_cp_async(W::query_bar(base));
 
   // Keys: warp w gathers the keys w, w + 4, ..., w + 28 of every block; lane j < 8
@@ -641,27 +630,12 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
     if (t4 == 0) *stat_ptr(W::kSum0 + HALF, r[e]) = l;
   }
   named_barrier_sync(W::kConsumers, W::kConsumerThreads);
-  const bool direct = u.partial_row < 0;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     if (r[e] >= rows) continue;
     const float l = *stat_ptr(W::kSum0, r[e]) + *stat_ptr(W::kSum1, r[e]);
-    const float inv = l != 0.f ? 1.f / l : 0.f;  // l = 0: no key, zeros; NaN l (a NaN score) stays NaN
-    const int i = r[e] / hb, h = h0 + r[e] % hb;
-    const int col0 = HALF * 256 + 2 * t4;
-    if (direct) {
-      const size_t row = (size_t)(u.q_start + i) * p.num_heads + h;
-      uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * kDimCkv + col0);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) dst[j * 4] = pack2<T>(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
-      if (HALF == 0 && t4 == 0) p.lse[row] = l != 0.f ? (m_run[e] + __log2f(l)) * kLn2 : -INFINITY;
-    } else {
-      const size_t row = (size_t)(u.partial_row + i) * p.num_heads + h;
-      float2* dst = reinterpret_cast<float2*>(p.partial_o + row * kDimCkv + col0);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) dst[j * 4] = make_float2(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv);
-      if (HALF == 0 && t4 == 0) p.partial_lse[row] = l != 0.f ? (m_run[e] + __log2f(l)) * kLn2 : -INFINITY;
-    }
+    store_tile_row<T, 32>(p, u, h0, hb, r[e], HALF * 256 + 2 * t4, l, m_run[e], 1.f, HALF == 0 && t4 == 0,
+                          [&](int j) { return make_float2(o[4 * j + 2 * e], o[4 * j + 2 * e + 1]); });
   }
 }
 

@@ -78,6 +78,14 @@ def median_us(fn, reps: int = 50) -> float:
     return 1e6 * float(np.median(ts))
 
 
+def noop_dispatch_us(call) -> float:
+    """Median host time of handing the decode step's arguments `call` (params, caches, page table,
+    host buffer, tokens, rng) to a compiled program that does nothing with the big ones: the dispatch
+    cost of the arguments alone."""
+    noop = jax.jit(lambda params, caches, table, host, tokens, rng: tokens + host[0, 0])
+    return median_us(lambda: noop(*call))
+
+
 def measure(model, args, backend):
     # One step's logits, for the check against the reference.
     gen = fresh_generator(model, args, backend, seed=1, steps=1)
@@ -119,9 +127,8 @@ def measure(model, args, backend):
     _, qo, num_tokens, _ = gen._decode_rows()
     plan = mgr.plan(qo, mgr.lengths + qo, num_heads=gen.local_heads, num_tokens=num_tokens)
     host, _, _ = gen._pack(plan, kv_lens=mgr.lengths + qo)
-    args_only = jax.jit(lambda params, caches, table, host, tokens, rng: tokens + host[0, 0])
     call = (gen.params, gen.caches, mgr.device_page_table, host, gen.next_tokens, gen.rng)
-    args_us = median_us(lambda: args_only(*call))
+    args_us = noop_dispatch_us(call)
     breakdown = {"reserve_us": med["reserve_s"], "plan_mla_us": med["plan_mla_s"], "sync_us": med["sync_s"],
                  "pack_and_transfer_us": med["pack_s"], "dispatch_arguments_us": args_us,
                  "dispatch_launch_us": med["dispatch_s"] - args_us, "arguments": len(jax.tree.leaves(call))}

@@ -60,7 +60,7 @@ def run(args) -> dict:
     from flax import nnx
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_decode import fresh_generator, median_us, v2_lite_attention_config
+    from bench_decode import fresh_generator, median_us, noop_dispatch_us, v2_lite_attention_config
     from jax_mla.nn import DeepseekModel
 
     cfg = v2_lite_attention_config(args.layers, args.heads)
@@ -95,9 +95,8 @@ def run(args) -> dict:
     out["step_numpy_buffer_us"] = median_us(lambda: donated(host))
     out["step_device_buffer_us"] = median_us(lambda: donated(host_dev))
     out["device_put_us"] = median_us(lambda: jax.device_put(host))
-    args_only = jax.jit(lambda params, caches, table, host, tokens, rng: tokens + host[0, 0])
     call = (gen.params, gen.caches, table, host_dev, gen.next_tokens, gen.rng)
-    out["noop_all_args_us"] = median_us(lambda: args_only(*call))
+    out["noop_all_args_us"] = noop_dispatch_us(call)
     out["noop_arguments"] = len(jax.tree.leaves(call))
     one = jax.jit(lambda t: t + 1)
     out["noop_one_arg_us"] = median_us(lambda: one(gen.next_tokens))

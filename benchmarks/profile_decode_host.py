@@ -29,7 +29,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 VARIANTS = {
     "xla default": "",

@@ -52,6 +52,7 @@ class ArgSpec:
     device_kv_lens: tuple | None = None  # what the device sees, below the planned lengths
     bad_pages: bool = False    # two page ids outside the cache inside the kv range
     split: bool = False        # plan for many small units (`split_target`): splits and merges everywhere
+    whole: bool = False        # one unit per request (`testing.no_split_target`): long units
     kv_dtype: str | None = None  # the latent cache's dtype when not `dtype`: "float8_e4m3fn" (kpe stays dtype)
     tags: frozenset = frozenset()
     # Benchmark targets: ("peer", x) ours >= x times as fast as the fastest peer; ("TB/s", x),
@@ -87,15 +88,20 @@ class ArgSpec:
             return f"[{','.join(map(str, x))}]" if isinstance(x, tuple) else str(x)
         irregular = "".join([f" pad{self.padding}" if self.padding else "",
                              " devkv" if self.device_kv_lens is not None else "",
-                             " badpages" if self.bad_pages else "", " split" if self.split else ""])
+                             " badpages" if self.bad_pages else "", " split" if self.split else "",
+                             " whole" if self.whole else ""])
         lead = f"{self.batch}x" if self.batch is not None else ""
         kv = f" kv:{self.kv_dtype}" if self.kv_dtype else ""
         return (f"{lead}{s(self.kv_lens)} h{self.heads} ps{self.page_size} q{s(self.q_lens)} "
                 f"{self.dtype}{kv}{irregular}")
 
     def plan_target(self):
-        """`split_target()` when the spec asks for splits, else None (the op's default target)."""
-        return split_target() if self.split else None
+        """`split_target()` or `testing.no_split_target()` when the spec asks for one, else None
+        (the op's default target)."""
+        from .testing import no_split_target
+        if self.split and self.whole:
+            raise ValueError(f"an ArgSpec is split or whole, not both: {self}")
+        return split_target() if self.split else no_split_target() if self.whole else None
 
     def build(self, rng: np.random.Generator, *, d_ckv: int = 512, d_kpe: int = 64):
         """(batch, plan, page_table, device kv_lens, cache scales): random inputs of this spec and its
@@ -186,6 +192,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # the wide body with odd block counts
     ArgSpec(32, 16, (2, 1, 2, 1), (333, 190, 64, 2), dtype="float16", padding=1, bad_pages=True, split=True,
             tags=_tags("small", "sweep")),
+    # wide units of many blocks ending in a partial one, unsplit: the wgmma body's consumers refill
+    # the stages past the first pair and its producer loads the last block (ffi/cuda/NOTES.md, v7)
+    ArgSpec(32, 64, (1, 2, 1), (700, 450, 129), whole=True, tags=_tags("small", "sweep")),
     # the fp8 cache (e4m3 ckv, kpe in the query dtype): narrow and wide units, splits, bad pages
     ArgSpec(16, 16, (1, 4, 0, 2), (700, 90, 0, 33), kv_dtype="float8_e4m3fn", padding=1, split=True,
             tags=_tags("small", "sweep")),
@@ -195,6 +204,7 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # default plan, two head blocks of unequal size, odd head counts, one head with 64-token tiles
     ArgSpec(16, 16, 1, (20000, 3000, 129), tags=_tags("sweep")),
     ArgSpec(128, 64, 1, (9000, 2500), tags=_tags("sweep")),
+    ArgSpec(128, 128, (1, 2, 1, 1, 2, 1), Uniform(300, 3000, 11), whole=True, bad_pages=True, tags=_tags("sweep")),
     ArgSpec(100, 32, 1, (1500, 40, 700), split=True, tags=_tags("sweep")),
     ArgSpec(20, 128, (3, 1, 2), (900, 128, 2), split=True, tags=_tags("sweep")),
     ArgSpec(1, 16, (64, 9), (700, 9), split=True, tags=_tags("sweep")),

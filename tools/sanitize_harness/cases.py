@@ -94,7 +94,7 @@ def make(d, specs, checked=True):
         if spec.bad_pages:
             table[0, 0] = -3
             table[-1, 0] = num_pages + 7
-        target = split_target() if checked else PROFILE_TARGET
+        target = (spec.plan_target() or split_target()) if checked else PROFILE_TARGET
         plan = plan_mla(qo, kv, num_heads=h, page_size=ps, num_tokens=t, target=target)
         code = DTYPES[dt]
         arrays = [_round(rng.standard_normal(s, dtype=np.float32), code) for s in

@@ -108,7 +108,6 @@ inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
 template <typename T, int kCache>
 inline KeyTensorMaps key_tensor_maps(const Problem& p) {
   KeyTensorMaps maps = {};
-  maps.enabled = 0;
   const uint64_t rows = (uint64_t)p.num_pages * (uint64_t)p.page_size;
   if constexpr (kCache == kCacheAsQuery && (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>)) {
     const auto encode = tensor_map_encoder();

@@ -117,10 +117,11 @@ struct WideSm90 {
   // Expected arrivals. full: every producer thread's cp.async arrival (+ one
   // plain arrival per producer warp for the rope group, which publishes the key
   // mask). empty: one arrival per warp of each consumer warpgroup that reads the
-  // group (stage 0 = block A: consumer 0 computes S on all of it and PV on the
+  // group, per thread for the rope group (whose key flags every thread of the
+  // softmax reads) (stage 0 = block A: consumer 0 computes S on all of it and PV on the
   // left half, consumer 1 PV on the right half; odd stages (block B) mirrored).
   static __device__ __forceinline__ int empty_count(int stage, int group) {
-    if (group == kRope) return 4;
+    if (group == kRope) return 128;  // every thread of the consumer whose softmax read the key flags
     const bool shared = (stage & 1) == 0 ? group == kRight : group == kLeft;
     return shared ? 8 : 4;
   }
@@ -469,10 +470,10 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   auto softmax_a = [&](int stage_a, int key0) {
     fence_registers(s);
     wide_softmax(s, p.scale_log2, base, stage_a, key0, limit, t4, m_run, a_max, a_alpha, a_sum);
-    if (lane == 0) {  // S and the mask are read: the rope panel and the right half go back
-      mbar_arrive(W::empty_bar(base, stage_a, W::kRope));
-      mbar_arrive(W::empty_bar(base, stage_a, W::kRight));
-    }
+    // S and the mask are read: the rope panel and the right half go back. Every thread read
+    // the key flags, so every thread's arrival publishes its reads (rope group).
+    mbar_arrive(W::empty_bar(base, stage_a, W::kRope));
+    if (lane == 0) mbar_arrive(W::empty_bar(base, stage_a, W::kRight));
   };
   if (num_blocks > 0) {
     if constexpr (HALF == 0) {
@@ -566,10 +567,9 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       if (has_b) {
         float sum[2];
         wide_softmax(s, p.scale_log2, base, stage_b, key0 + W::BK, limit, t4, m_a, m_b, a_b, sum);
-        if (lane == 0) {  // S_B and its mask are read: rope panel and left half go back
-          mbar_arrive(W::empty_bar(base, stage_b, W::kRope));
-          mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));
-        }
+        // S_B and its mask are read: rope panel (every thread: each read flags) and left half go back
+        mbar_arrive(W::empty_bar(base, stage_b, W::kRope));
+        if (lane == 0) mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));
 #pragma unroll
         for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_a[e] * a_b[e] + sum[e];
         wide_pack_p<T>(s, pb);

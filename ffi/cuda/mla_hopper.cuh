@@ -78,12 +78,6 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 #endif
 }
-// `count` arrivals at once (release), e.g. on behalf of threads that wrote nothing the barrier guards.
-__device__ __forceinline__ void mbar_arrive_count(uint32_t bar, uint32_t count) {
-#ifdef JAX_MLA_HAS_WGMMA
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-#endif
-}
 // One arrival that fires when every cp.async this thread issued so far has landed;
 // counted in the barrier's expected count (noinc).
 __device__ __forceinline__ void mbar_arrive_on_cp_async(uint32_t bar) {
@@ -200,17 +194,13 @@ __device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t smem_byte_addr, uint3
 // `accumulate` = 0 ignores d's old contents.
 
 // clang-format off
-#define JAX_MLA_WGMMA_64x64_SS(TY)                                                                                  \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                         \
-               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {"                                         \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                             \
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "                  \
-               "%32, %33, p, 1, 1, 0, 0;\n}\n"                                                                      \
+#define JAX_MLA_WGMMA_64x32_SS(TY)                                                                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                         \
+               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {"                                         \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                            \
+               "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                                      \
              : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
-               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),            \
-               "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
-               "+f"(d[30]), "+f"(d[31])                                                                             \
+               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
              : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 
 #define JAX_MLA_WGMMA_64x256_RS_TB(TY)                                                                                         \
@@ -244,16 +234,14 @@ __device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t smem_byte_addr, uint3
              : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 // clang-format on
 
-// S += Q K^T over one k16 step: D 64 x 64, A (64 x 16) and B (64 keys x 16) K-major in shared memory.
-// The tensor core's time for it matches the 4 KB of operands it reads from shared memory
-// (m64n32k16 reads 3 KB in half the time: shared-memory bound).
+// S += Q K^T over one k16 step: D 64 x 32, A (64 x 16) and B (32 keys x 16) K-major in shared memory.
 template <typename T>
-__device__ __forceinline__ void wgmma_64x64_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+__device__ __forceinline__ void wgmma_64x32_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #ifdef JAX_MLA_HAS_WGMMA
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    JAX_MLA_WGMMA_64x64_SS("bf16");
+    JAX_MLA_WGMMA_64x32_SS("bf16");
   } else {
-    JAX_MLA_WGMMA_64x64_SS("f16");
+    JAX_MLA_WGMMA_64x32_SS("f16");
   }
 #endif
 }
@@ -269,7 +257,7 @@ __device__ __forceinline__ void wgmma_64x256_rs_mn(float (&d)[128], const uint32
   }
 #endif
 }
-#undef JAX_MLA_WGMMA_64x64_SS
+#undef JAX_MLA_WGMMA_64x32_SS
 #undef JAX_MLA_WGMMA_64x256_RS_TB
 
 }  // namespace cuda

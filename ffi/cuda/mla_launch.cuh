@@ -4,7 +4,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <atomic>
 #include <type_traits>
 
@@ -105,20 +104,20 @@ inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
 
 // The wide body's TMA descriptors of the caches (a host computation: no device
 // work, legal during stream capture). Left disabled for fp8 caches (their keys go
-// through the portable body), page sizes below WideSm90::MIN_TMA_PAGE, and where encoding fails.
+// through the portable body), page sizes below a key block, and where encoding fails.
 template <typename T, int kCache>
 inline KeyTensorMaps key_tensor_maps(const Problem& p) {
   KeyTensorMaps maps = {};
   const uint64_t rows = (uint64_t)p.num_pages * (uint64_t)p.page_size;
   if constexpr (kCache == kCacheAsQuery && (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>)) {
     const auto encode = tensor_map_encoder();
-    if (encode == nullptr || p.page_size < WideSm90::MIN_TMA_PAGE || rows == 0 || rows >= (1ull << 31)) return maps;
+    if (encode == nullptr || p.page_size < WideSm90::BK || rows == 0 || rows > (1ull << 31)) return maps;
     const CUtensorMapDataType type =
         std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     auto make = [&](CUtensorMap* map, const void* data, uint64_t dims) {
       const cuuint64_t size[2] = {dims, rows};
       const cuuint64_t stride[1] = {dims * sizeof(T)};  // bytes between rows
-      const cuuint32_t box[2] = {64, (cuuint32_t)std::min(p.page_size, WideSm90::BK)};  // 64 dims x a block or a page
+      const cuuint32_t box[2] = {64, WideSm90::BK};     // 64 dims (128 bytes) x one key block
       const cuuint32_t step[2] = {1, 1};
       return encode(map, type, 2, const_cast<void*>(data), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
                     CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

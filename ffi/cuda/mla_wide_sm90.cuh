@@ -8,53 +8,43 @@
 // three warpgroups.
 //
 //   * Producer (warpgroup 0, few registers): queries into nine 128-byte-swizzled
-//     panels of 64 dims, then the unit's keys, 64 per block, into two stages
-//     (A: even blocks, B: odd blocks; 72 KB each, all the room the queries leave).
-//     A stage is nine panels with a "full" mbarrier each (S starts on the first
-//     panel that lands while the others stream in) and two halves with an "empty"
-//     mbarrier each: the left half (dims 0-255) and the right half (256-511); the
-//     rope panel (dims 512-575, and the block's key-validity flags) travels with
-//     the right half of stage A and the left half of stage B, for the reason below.
-//     Each half is refilled as soon as its one reader releases it, so the next
-//     pair's halves stream in while the current pair is still multiplied. Past the
-//     first pair, a whole block on one valid page (pages of >= 64 keys) is refilled by
-//     the releasing consumer itself (its thread 0 issues the TMA right after the
-//     release: no hop through the producer, whose turn would come a pair of halves
-//     later); the producer still waits for and arrives on every release, so the two
-//     sides stay within one phase of each other. Whole blocks of valid
-//     keys on pages of at least 16 keys come by TMA (cp.async.bulk.tensor, one box
-//     of min(page size, 64) keys x 64 dims per panel and page, tensor maps made on
-//     the host per launch, bytes counted on the barriers); the rest (page sizes
-//     below 16, a unit's partial last block, bad page ids) is gathered through the
-//     page table with 16-byte cp.async, unseen rows as zeros.
+//     panels of 64 dims, then the unit's keys, 32 per block, into a four-stage
+//     ring. A block of 32 valid keys inside one page (page size >= 32: every
+//     block but a unit's partial last one) is one TMA box per 64-dim panel
+//     (cp.async.bulk.tensor, tensor maps made on the host per launch), its bytes
+//     counted on the stage's barrier; other blocks (page sizes < 32, partial
+//     blocks, bad page ids) are gathered through the page table with 16-byte
+//     cp.async. A stage is three groups with their own "full" and "empty"
+//     mbarriers: the rope panel (dims 512-575, and a validity mask of the
+//     block's keys), the left half of the latent (dims 0-255) and the right
+//     half (256-511). Each group is refilled as soon as its last reader is
+//     done with it; with four stages the next pair of blocks streams in while
+//     the current pair is multiplied (two stages would leave loads and MMAs in
+//     series; ffi/cuda/NOTES.md, v4a / v4b).
 //   * Two consumers (warpgroups 1 and 2, most registers) split the output by
-//     columns: consumer c keeps O[:, 256c : 256c + 256] in registers (128 floats
-//     per thread). They take the blocks in pairs: consumer 0 computes S = Q K^T of
-//     block A, consumer 1 of block B (wgmma m64n64k16, queries and keys from shared
-//     memory: at 64 keys the MMA's time matches its operand reads, at 32 keys it
-//     waited on shared memory, ffi/cuda/NOTES.md v5). Each then needs both blocks'
-//     probabilities for its own columns, and each block's P goes to the other
-//     consumer through the block's own rope panel, dead once its S is done (two
-//     separate P buffers would not fit beside two 72 KB stages):
+//     columns: consumer c keeps O[:, 256c : 256c + 256] in registers (128
+//     floats per thread). They take the key blocks in pairs: consumer 0
+//     computes S = Q K^T of the even block (A), consumer 1 of the odd one (B),
+//     both with wgmma m64n32k16 (queries and keys from shared memory), so the
+//     two S products and the softmax of the other consumer overlap. Then each
+//     needs both blocks' probabilities for its own columns:
 //
-//       consumer 0: softmax A (max m_A); P_A -> rope panel A; signal A (m_A)
-//                   O_L = a_A O_L + P_A V_A[:, left]              (P_A from registers)
-//                   wait B; O_L = a_B O_L + P_B V_B[:, left]      (P_B from rope panel B)
-//                   S of the next block A, the left half (released first) while that PV runs,
-//                   then the right half and the rope panel
-//       consumer 1: wait A; softmax B from m_A (max m_B); P_B -> rope panel B; signal B (m_B)
-//                   O_R = a_A a_B O_R + (a_B P_A) V_A[:, right] + P_B V_B[:, right]
-//                   S of the next block B, right half first
+//       consumer 0: softmax A (max m_A) ................ signal A (m_A, P_A)
+//                   O_L = a_A O_L + P_A V_A[:, left]       (P_A from registers)
+//                   S_A of the next pair goes in behind it
+//                   wait B; O_L = a_B O_L + P_B V_B[:, left] (P_B via shared memory)
+//                   softmax of the next A while that PV runs
+//       consumer 1: wait A; softmax B from m_A (max m_B); signal B (m_B, P_B)
+//                   O_R = a_A a_B O_R + P_B V_B[:, right] + (a_B P_A) V_A[:, right]
+//                   S_B of the next pair goes in behind it
 //
-//     So every half of a stage has exactly one releasing reader: the left halves
-//     consumer 0 (S_A and PV_A on A's; PV_B, which reads P_B from B's rope panel,
-//     on B's), the right halves consumer 1. The signals are mbarriers (one phase
-//     per pair, every thread of the sending consumer arrives), which also order
-//     the reuse of the statistics one pair later. PV is wgmma m64n256k16 with P
-//     from registers and V read straight from the stage (the latent rows,
-//     MN-major). The running max is shared through shared memory, so both halves
-//     of every row stay on one scale; the row sums are kept per consumer and added
-//     in the epilogue.
+//     The signals are mbarriers (one phase per pair, every thread of the
+//     sending consumer arrives), which also order the reuse of the P and
+//     statistics buffers one pair later. PV is wgmma m64n256k16 with P from
+//     registers and V read straight from the key stage (the latent rows,
+//     MN-major). The running max is shared through shared memory, so both
+//     halves of every row stay on one scale; the row sums are kept per consumer
+//     and added in the epilogue.
 //
 // ffi/cuda/NOTES.md has what each version of this body measured.
 //
@@ -75,49 +65,46 @@ namespace cuda {
 struct WideSm90 {
   static constexpr int kThreads = 384;  // producer + two consumer warpgroups
   static constexpr int ROWS = 64;
-  static constexpr int BK = 64;                  // keys per block
-  static constexpr int STAGES = 2;               // block A (even) and block B (odd) of a pair
-  static constexpr int MIN_TMA_PAGE = 16;        // smallest page size loaded by TMA (boxes of min(ps, BK) keys)
+  static constexpr int BK = 32;                  // keys per block
+  static constexpr int STAGES = 4;               // two pairs of blocks
   static constexpr int QPANEL = ROWS * 128;      // 64 query rows x 64 dims, 128-byte swizzle
-  static constexpr int KPANEL = BK * 128;        // 64 keys x 64 dims
+  static constexpr int KPANEL = BK * 128;        // 32 keys x 64 dims
   static constexpr int STAGE = 9 * KPANEL;       // a key block: 8 latent panels + the rope panel
   static constexpr int ROPE_PANEL = 8;
   static constexpr int SACC = ROWS * BK / 128;   // S accumulators per thread
-  // Shared memory (from a 1024-byte-aligned base): the nine query panels, the two
-  // stages, the statistics. All of S = Q K^T reads the queries from shared memory,
-  // which leaves the consumers' registers to O, S and the P fragments.
+  static constexpr int PBYTES = ROWS * BK * 2;   // P of one block (64-byte rows, swizzled)
+  // Shared memory (from a 1024-byte-aligned base): the nine query panels, the key
+  // ring, P_A and P_B, the statistics. All of S = Q K^T reads the queries from shared
+  // memory, which leaves the consumers' registers to O, S and the P fragments of the
+  // MMAs in flight (the pipelined loop keeps one S and one PV in flight at once).
   static constexpr int Q_OFF = 0;
   static constexpr int KV_OFF = 9 * QPANEL;
-  static constexpr int STATS_OFF = KV_OFF + STAGES * STAGE;  // float [6][64]: m_A, a_A, m_B, a_B, l(c=0), l(c=1)
-  // Per stage: one byte per key (1: valid; 16-byte aligned, a TMA block writes them as
-  // vectors), and four bytes, producer warp w's 0xff when all its keys of the block are
-  // valid (all 0xff: no key is masked).
-  static constexpr int KEY_OK_OFF = STATS_OFF + 6 * ROWS * 4;
-  static constexpr int MASK_OFF = KEY_OK_OFF + STAGES * BK;
-  static constexpr int BAR_OFF = MASK_OFF + STAGES * 4;
-  // "full": one per panel of a stage (S starts on the first panel that lands while the rest
-  // streams in); "empty": one per half of a stage; queries; A / B ready.
-  static constexpr int NUM_BARS = STAGES * 9 + STAGES * 2 + 3;
+  static constexpr int PA_OFF = KV_OFF + STAGES * STAGE;
+  static constexpr int PB_OFF = PA_OFF + PBYTES;
+  static constexpr int STATS_OFF = PB_OFF + PBYTES;  // float [6][64]: m_A, a_A, m_B, a_B, l(c=0), l(c=1)
+  // Per stage: a u32 whose four bytes are the producer warps' ballots of valid
+  // keys (all ones: no key is masked), then one byte per key.
+  static constexpr int MASK_OFF = STATS_OFF + 6 * ROWS * 4;
+  static constexpr int KEY_OK_OFF = MASK_OFF + STAGES * 4;
+  static constexpr int BAR_OFF = KEY_OK_OFF + STAGES * BK;
+  static constexpr int NUM_BARS = 2 * STAGES * 3 + 3;  // full / empty x stage x group, queries, A / B ready
   static constexpr int BYTES = BAR_OFF + NUM_BARS * 8;
   static constexpr int SMEM_BYTES = BYTES + 1024 - 16;  // room to align the base
 
-  enum Half : int { kLeft = 0, kRight = 1 };  // released by consumer 0 / consumer 1
+  enum Group : int { kRope = 0, kLeft = 1, kRight = 2 };
   enum Stat : int { kMaxA = 0, kAlphaA = 1, kMaxB = 2, kAlphaB = 3, kSum0 = 4, kSum1 = 5 };
   enum NamedBarrier : int { kConsumers = 1 };
   static constexpr int kConsumerThreads = 256;
 
-  // The half that carries the rope panel (and, after S, the block's P for the other
-  // consumer): the one the consumer that did not compute the block's S releases.
-  static __device__ __forceinline__ int rope_half(int stage) { return stage == 0 ? kRight : kLeft; }
-  static __device__ __forceinline__ uint32_t full_bar(uint32_t base, int stage, int panel) {
-    return base + BAR_OFF + (stage * 9 + panel) * 8;
+  static __device__ __forceinline__ uint32_t full_bar(uint32_t base, int stage, int group) {
+    return base + BAR_OFF + (stage * 3 + group) * 8;
   }
-  static __device__ __forceinline__ uint32_t empty_bar(uint32_t base, int stage, int half) {
-    return base + BAR_OFF + (9 * STAGES + stage * 2 + half) * 8;
+  static __device__ __forceinline__ uint32_t empty_bar(uint32_t base, int stage, int group) {
+    return base + BAR_OFF + (3 * STAGES + stage * 3 + group) * 8;
   }
-  static __device__ __forceinline__ uint32_t query_bar(uint32_t base) { return base + BAR_OFF + 11 * STAGES * 8; }
+  static __device__ __forceinline__ uint32_t query_bar(uint32_t base) { return base + BAR_OFF + 6 * STAGES * 8; }
   // Consumer 0 -> 1: m_A, a_A and P_A are in shared memory; consumer 1 -> 0: m_B,
-  // a_B and P_B are. One phase per pair, all 128 threads arrive.
+  // a_B and P_B are, and P_A has been read. One phase per pair, all 128 threads arrive.
   static __device__ __forceinline__ uint32_t a_ready_bar(uint32_t base) { return query_bar(base) + 8; }
   static __device__ __forceinline__ uint32_t b_ready_bar(uint32_t base) { return query_bar(base) + 16; }
   static __device__ __forceinline__ uint32_t stage_addr(uint32_t base, int stage) {
@@ -127,85 +114,30 @@ struct WideSm90 {
   static __device__ __forceinline__ uint32_t chunk_offset(int r, int c, int panel) {
     return (c >> 3) * panel + r * 128 + (((c & 7) ^ (r & 7)) << 4);
   }
-  // Expected arrivals. full: one per producer thread, each after its own writes (its
-  // cp.async gather has landed; the rope panel's also publish the key flags); with TMA
-  // thread 0 makes all of them, beside the panel's bytes. Each writer arriving itself is
-  // what lets racecheck see every write published. empty: the releasing consumer's,
-  // one per warp, or one per thread on the half with the rope panel (its P was read by
-  // every thread's ldmatrix; a lane-0 arrival would not publish the other lanes' reads),
-  // and the producer's one (see wide_producer's load_half).
-  static constexpr int kFullCount = 128;
-  static __device__ __forceinline__ int empty_count(int stage, int half) {
-    return (half == rope_half(stage) ? 128 : 4) + 1;
+  // Expected arrivals. full: every producer thread's cp.async arrival (+ one
+  // plain arrival per producer warp for the rope group, which publishes the key
+  // mask). empty: one arrival per warp of each consumer warpgroup that reads the
+  // group, per thread for the rope group (whose key flags every thread of the
+  // softmax reads) (stage 0 = block A: consumer 0 computes S on all of it and PV on the
+  // left half, consumer 1 PV on the right half; odd stages (block B) mirrored).
+  static __device__ __forceinline__ int empty_count(int stage, int group) {
+    if (group == kRope) return 128;  // every thread of the consumer whose softmax read the key flags
+    const bool shared = (stage & 1) == 0 ? group == kRight : group == kLeft;
+    return shared ? 8 : 4;
   }
   static_assert(SMEM_BYTES <= 227 * 1024, "one block per SM must fit");
   static_assert(STAGE % 1024 == 0 && KPANEL % 1024 == 0 && QPANEL % 1024 == 0, "swizzle atoms stay aligned");
-  static_assert(KEY_OK_OFF % 16 == 0 && MASK_OFF % 4 == 0 && BAR_OFF % 8 == 0, "vector stores and mbarriers stay aligned");
-  static_assert(SACC == 32 && BK == 64, "the P layout in a rope panel is one 128-byte row per query row");
 };
 
 // TMA descriptors of the two caches seen as 2-D tensors of rows (ckv [P * ps, 512],
-// kpe [P * ps, 64]) with a box of min(ps, 64) rows x 64 dims in the 128-byte swizzle
-// the stage panels use. Made on the host for every launch (mla_launch.cuh);
-// `enabled` is 0 where they could not be made, or the page size is below
-// WideSm90::MIN_TMA_PAGE.
+// kpe [P * ps, 64]) with a box of 32 rows x 64 dims in the 128-byte swizzle the
+// stage panels use. Made on the host for every launch (mla_launch.cuh); `enabled`
+// is 0 where they could not be made, or the page size is below a key block.
 struct KeyTensorMaps {
   CUtensorMap ckv;
   CUtensorMap kpe;
   int enabled;
 };
-
-// ---- key loads ------------------------------------------------------------------
-
-// One thread: the TMA boxes of one half of a block of 64 valid keys (box b of `box` keys
-// from cache row rows[b]) and, when the half carries it, the rope panel and the block's
-// key flags (all valid); each panel's bytes and all its arrivals go on its "full" barrier.
-__device__ __forceinline__ void wide_tma_half(const KeyTensorMaps& maps, uint32_t base, int stage, int half,
-                                              const int (&rows)[4], int box) {
-  using W = WideSm90;
-  const uint32_t st = W::stage_addr(base, stage);
-  const bool rope = half == W::rope_half(stage);
-  const int panel0 = half == W::kLeft ? 0 : 4;  // dims 0-255 (left) or 256-511 (right)
-  if (rope) {  // the flags say every key is valid before the rope panel's arrival publishes them
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(base + W::MASK_OFF + stage * 4), "r"(0xffffffffu) : "memory");
-#pragma unroll
-    for (int i = 0; i < W::BK / 16; ++i)
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(base + W::KEY_OK_OFF + stage * W::BK + 16 * i),
-                   "r"(0x01010101u)
-                   : "memory");
-  }
-#pragma unroll
-  for (int i = 0; i < 5; ++i) {
-    if (i == 4 && !rope) break;
-    const int panel = i < 4 ? panel0 + i : W::ROPE_PANEL;
-    const uint32_t full = W::full_bar(base, stage, panel);
-    mbar_arrive_expect_tx(full, W::KPANEL);
-    mbar_arrive_count(full, W::kFullCount - 1);
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      if (b * box >= W::BK) break;
-      const uint32_t dst = st + panel * W::KPANEL + b * box * 128;
-      if (i < 4) {
-        tma_load_2d(dst, &maps.ckv, panel * 64, rows[b], full);
-      } else {
-        tma_load_2d(dst, &maps.kpe, 0, rows[b], full);
-      }
-    }
-  }
-}
-
-// Whether the consumer that releases a half of block blk - 2 refills it with block blk
-// itself, right after its last read (no hop through the producer warpgroup): blocks past
-// the first pair whose 64 keys are valid and lie in one page (page size >= 64). `page` is
-// the page of the block's first key. The producer skips these halves.
-__device__ __forceinline__ bool wide_consumer_refills(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
-                                                      int blk, int page) {
-  const int key_base = u.kv_begin + blk * WideSm90::BK;
-  const int num_blocks = (u.range_end - u.kv_begin + WideSm90::BK - 1) / WideSm90::BK;
-  return blk >= 2 && blk < num_blocks && maps.enabled && p.page_size >= WideSm90::BK &&
-         (key_base & (WideSm90::BK - 1)) == 0 && key_base + WideSm90::BK <= u.range_end && page >= 0 &&
-         page < p.num_pages;
-}
 
 // ---- producer -------------------------------------------------------------------
 
@@ -224,155 +156,139 @@ __device__ __forceinline__ void wide_producer(const Problem& p, const KeyTensorM
                                    [&](int r, int c) { return base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL); });
   mbar_arrive_on_cp_async(W::query_bar(base));
 
-  // Keys: warp w gathers the keys w, w + 4, ..., w + 60 of every block; lane l holds
-  // the page id of key w + 4 (l & 15) (lanes 16-31 mirror 0-15), fetched a pair ahead.
+  // Keys: warp w gathers the keys w, w + 4, ..., w + 28 of every block; lane j < 8
+  // holds the page id of key w + 4j (the other lanes mirror them), fetched one block ahead.
   const int kv_begin = u.kv_begin;
   const int num_blocks = (u.range_end - kv_begin + W::BK - 1) / W::BK;
   const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
-  const int key_in_block = warp + 4 * (lane & 15);
+  const int key_in_block = warp + 4 * (lane & 7);
   auto page_of = [&](int blk) {
     const int key = kv_begin + blk * W::BK + key_in_block;
     return blk < num_blocks && key < u.range_end ? __ldg(pt_row + (key >> p.log2_page_size)) : -1;
   };
-  // TMA boxes: min(page size, 64) keys, so a block is one to four boxes per panel.
-  const int box = min(p.page_size, W::BK);
-  // First cache row of box b of a block whose warp-0 lanes hold `page` (key b * box is
-  // warp 0's key of lane b * box / 4); -1 for a page outside the cache.
-  auto box_row = [&](int page, int key_base, int b) {
-    const int pg = __shfl_sync(0xffffffffu, page, (b * box / 4) & 15);
-    return pg >= 0 && pg < p.num_pages ? pg * p.page_size + ((key_base + b * box) & (p.page_size - 1)) : -1;
-  };
-  // One half of block `blk` into its stage (A: even blocks, B: odd ones), once its reader
-  // has released it.
-  auto load_half = [&](int blk, int page, int half) {
-    const int stage = blk & 1, use = blk >> 1;  // a stage's k-th use is pair k
+  int page_next = page_of(0);
+#pragma unroll 1
+  for (int blk = 0; blk < num_blocks; ++blk) {
+    const int stage = blk & (W::STAGES - 1), use = blk / W::STAGES;
+    const bool block_a = (blk & 1) == 0;
+    const int page = page_next;
+    page_next = page_of(blk + 1);
     const int key_base = kv_begin + blk * W::BK;
     const bool ok = key_base + key_in_block < u.range_end && page >= 0 && page < p.num_pages;
-    const uint32_t ok_bits = __ballot_sync(0xffffffffu, ok) & 0xffffu;  // bit j: key w + 4j
+    const uint32_t ok_bits = __ballot_sync(0xffffffffu, ok) & 0xffu;  // bit j: key w + 4j
     const uint32_t st = W::stage_addr(base, stage);
-    const bool rope = half == W::rope_half(stage);
-    // A block of 64 valid keys on pages of >= 16 keys, starting on a box boundary, is TMA
-    // boxes issued by thread 0; the rest is gathered row by row. Uniform over the
-    // warpgroup: every warp has keys on every page of the block (a box holds >= 4 of
-    // each warp's keys), so all warps see all their keys valid or none does.
-    const bool tma = maps.enabled && (key_base & (box - 1)) == 0 && key_base + W::BK <= u.range_end &&
-                     ok_bits == 0xffffu;
-    // Every use of a half waits for the previous one's release and then arrives itself (one
-    // arrival of the five a use's release takes), loaded here or not: a phase cannot complete
-    // without the producer, so neither side is ever two phases from the other, where a parity
-    // wait would pass on the wrong phase (the producer skipping ahead to a unit's partial last
-    // block would overwrite a stage in use).
-    mbar_wait(W::empty_bar(base, stage, half), (use & 1) ^ 1);
-    if (tid == 0) mbar_arrive(W::empty_bar(base, stage, half));
-    // The consumers refill this half themselves (wide_consumer_refills: a TMA block past
-    // the first pair on pages of >= 64 keys, where a box is the block and its one page is
-    // valid). The same test, from what is at hand: the producer's registers are few.
-    if (tma && blk >= 2 && p.page_size >= W::BK) return;
-    // Four latent panels of 64 dims: dims 0-255 (left) or 256-511 (right).
-    const int panel0 = half == W::kLeft ? 0 : 4;
-    if (tma) {
-      int rows[4];
-#pragma unroll
-      for (int b = 0; b < 4; ++b) rows[b] = box_row(page, key_base, b);
-      if (tid == 0) wide_tma_half(maps, base, stage, half, rows, box);
-      return;
-    }
-    if (rope) {
-      if (lane == 0) {
-        asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::MASK_OFF + stage * 4 + warp),
-                     "h"((unsigned short)(ok_bits == 0xffffu ? 0xff : 0))
-                     : "memory");
-      }
-      if (lane < 16) {
-        asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::KEY_OK_OFF + stage * W::BK + key_in_block),
-                     "h"((unsigned short)ok)
-                     : "memory");
-      }
-    }
+    // A block of 32 valid keys inside one page is one TMA box per panel, issued by
+    // thread 0 (bytes counted on the full barriers); the rest (page sizes below 32,
+    // a unit's partial last block, bad page ids) is gathered row by row. Uniform over
+    // the warpgroup: the keys' page is one page, so every warp sees the same ok_bits.
+    const int in_page = key_base & (p.page_size - 1);
+    const bool tma = maps.enabled && in_page + W::BK <= p.page_size && key_base + W::BK <= u.range_end &&
+                     ok_bits == 0xffu;
+    const int tma_row = __shfl_sync(0xffffffffu, page, 0) * p.page_size + in_page;
     // Row (slot) of the key that lane `j` of this warp describes; 0 when invalid (not read).
     auto slot_of = [&](int j) -> size_t {
       const int pg = __shfl_sync(0xffffffffu, page, j);
       const int key = key_base + warp + 4 * j;
       return ((ok_bits >> j) & 1) ? (size_t)pg * p.page_size + (key & (p.page_size - 1)) : 0;
     };
-    const int c = panel0 * 8 + lane;  // one key's 512 bytes per warp instruction
-#pragma unroll 4
-    for (int j = 0; j < 16; ++j) {
-      const int kl = warp + 4 * j;
-      const size_t slot = slot_of(j);
-      cp_async16(st + (c >> 3) * W::KPANEL + kl * 128 + (((c & 7) ^ (kl & 7)) << 4), ckv + slot * kDimCkv + c * 8,
-                 ((ok_bits >> j) & 1) ? 16 : 0);
-    }
-    if (rope) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int j = 4 * i + (lane >> 3), cr = lane & 7, kl = warp + 4 * j;
-        const size_t slot = slot_of(j);
-        cp_async16(st + W::ROPE_PANEL * W::KPANEL + kl * 128 + ((cr ^ (kl & 7)) << 4), kpe + slot * kDimKpe + cr * 8,
-                   ((ok_bits >> j) & 1) ? 16 : 0);
+    for (int gi = 0; gi < 3; ++gi) {
+      // Block A's readers free the left half first, block B's the right half.
+      const int group = gi == 0 ? W::kRope : ((gi == 1) == block_a ? W::kLeft : W::kRight);
+      mbar_wait(W::empty_bar(base, stage, group), (use & 1) ^ 1);
+      if (group == W::kRope) {
+        if (lane == 0) {
+          asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::MASK_OFF + stage * 4 + warp),
+                       "h"((unsigned short)ok_bits)
+                       : "memory");
+        }
+        if (lane < 8) {
+          asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::KEY_OK_OFF + stage * W::BK + key_in_block),
+                       "h"((unsigned short)ok)
+                       : "memory");
+        }
+        __syncwarp();  // lane 0's arrival below publishes the whole warp's flags
+        if (tma) {
+          if (tid == 0) {
+            mbar_arrive_expect_tx(W::full_bar(base, stage, W::kRope), W::KPANEL);
+            tma_load_2d(st + W::ROPE_PANEL * W::KPANEL, &maps.kpe, 0, tma_row, W::full_bar(base, stage, W::kRope));
+          } else {
+            mbar_arrive(W::full_bar(base, stage, W::kRope));
+          }
+          if (lane == 0) mbar_arrive(W::full_bar(base, stage, W::kRope));  // publishes the mask
+          continue;
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int j = 4 * i + (lane >> 3), c = lane & 7, kl = warp + 4 * j;
+          const size_t slot = slot_of(j);
+          cp_async16(st + W::ROPE_PANEL * W::KPANEL + kl * 128 + ((c ^ (kl & 7)) << 4), kpe + slot * kDimKpe + c * 8,
+                     ((ok_bits >> j) & 1) ? 16 : 0);
+        }
+        mbar_arrive_on_cp_async(W::full_bar(base, stage, W::kRope));
+        if (lane == 0) mbar_arrive(W::full_bar(base, stage, W::kRope));  // publishes the mask
+      } else if (tma) {
+        // Four panels of 64 dims: dims 0-255 (left) or 256-511 (right).
+        const int panel0 = group == W::kLeft ? 0 : 4;
+        if (tid == 0) {
+          mbar_arrive_expect_tx(W::full_bar(base, stage, group), 4 * W::KPANEL);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            tma_load_2d(st + (panel0 + i) * W::KPANEL, &maps.ckv, (panel0 + i) * 64, tma_row,
+                        W::full_bar(base, stage, group));
+        } else {
+          mbar_arrive(W::full_bar(base, stage, group));
+        }
+      } else {
+        const int c = (group == W::kLeft ? 0 : 32) + lane;  // one key's 512 bytes per warp instruction
+#pragma unroll 4
+        for (int j = 0; j < 8; ++j) {
+          const int kl = warp + 4 * j;
+          const size_t slot = slot_of(j);
+          cp_async16(st + (c >> 3) * W::KPANEL + kl * 128 + (((c & 7) ^ (kl & 7)) << 4), ckv + slot * kDimCkv + c * 8,
+                     ((ok_bits >> j) & 1) ? 16 : 0);
+        }
+        mbar_arrive_on_cp_async(W::full_bar(base, stage, group));
       }
     }
-    // The thread's gather lands and becomes visible to wgmma's (async proxy) reads; its
-    // arrivals publish it with its flags. These blocks are the rare ones: page sizes
-    // below 16, a unit's partial last block, bad page ids.
-    cp_async_wait_all();
-    fence_proxy_async_shared();
-#pragma unroll
-    for (int i = 0; i < 4; ++i) mbar_arrive(W::full_bar(base, stage, panel0 + i));
-    if (rope) mbar_arrive(W::full_bar(base, stage, W::ROPE_PANEL));
-  };
-  // Pair by pair, the halves in the order their readers release them: A's left (consumer
-  // 0 after PV_A), A's right (consumer 1's first PV), B's right (its second), B's left
-  // (consumer 0 after PV_B). (Measured: an L2 prefetch of the next pair cost 7%, and
-  // consumer 1 doing PV_B first, for its own next S, cost 2%; ffi/cuda/NOTES.md, v6.)
-  int page_a = page_of(0), page_b = page_of(1);
-#pragma unroll 1
-  for (int blk = 0; blk < num_blocks; blk += 2) {
-    const int next_a = page_of(blk + 2), next_b = page_of(blk + 3);
-    const bool has_b = blk + 1 < num_blocks;
-    load_half(blk, page_a, W::kLeft);
-    load_half(blk, page_a, W::kRight);
-    if (has_b) load_half(blk + 1, page_b, W::kRight);
-    if (has_b) load_half(blk + 1, page_b, W::kLeft);
-    page_a = next_a;
-    page_b = next_b;
   }
   cp_async_wait_all();  // leave nothing in flight behind an exited thread
 }
 
 // ---- consumer stages -------------------------------------------------------------
 
-// One part of S = Q K^T for the block in `stage`: PART 0 is the half its producer
-// fills first (block A: left, block B: right), PART 1 the other half with the rope
-// panel. Async: the caller commits the group.
-template <typename T, bool BLOCK_A, int PART>
+// S = Q K^T for the block in `stage`: rope panel first, then the two latent halves
+// in the order the producer refills them (block A: left first; block B: right
+// first). Async: the caller commits the group.
+template <typename T, bool BLOCK_A>
 __device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], uint32_t base, int stage, int parity) {
   using W = WideSm90;
   base = opaque(base);
   const uint32_t st = W::stage_addr(base, stage);
-  const int half = (PART == 0) == BLOCK_A ? W::kLeft : W::kRight;
-  if constexpr (PART == 1) {
-    mbar_wait(W::full_bar(base, stage, W::ROPE_PANEL), parity);
-    wgmma_fence();
+  mbar_wait(W::full_bar(base, stage, W::kRope), parity);
+  fence_proxy_async_shared();
+  wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_64x64_ss<T>(s, sw128_desc(base + W::Q_OFF + W::ROPE_PANEL * W::QPANEL + kk * 32),
-                        sw128_desc(st + W::ROPE_PANEL * W::KPANEL + kk * 32), 1);
-  }
-  const int p0 = half == W::kLeft ? 0 : 4;
+  for (int kk = 0; kk < 4; ++kk)
+    wgmma_64x32_ss<T>(s, sw128_desc(base + W::Q_OFF + W::ROPE_PANEL * W::QPANEL + kk * 32),
+                      sw128_desc(st + W::ROPE_PANEL * W::KPANEL + kk * 32), kk > 0);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    mbar_wait(W::full_bar(base, stage, p0 + i), parity);
-    wgmma_fence();  // after a wait loop ptxas wants the fence (C7519), so say it where it goes
+  for (int half = 0; half < 2; ++half) {
+    const int group = (half == 0) == BLOCK_A ? W::kLeft : W::kRight;
+    mbar_wait(W::full_bar(base, stage, group), parity);
+    fence_proxy_async_shared();
+    const int p0 = group == W::kLeft ? 0 : 4;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_64x64_ss<T>(s, sw128_desc(base + W::Q_OFF + (p0 + i) * W::QPANEL + kk * 32),
-                        sw128_desc(st + (p0 + i) * W::KPANEL + kk * 32), PART == 1 || i > 0 || kk > 0);
+    for (int pn = p0; pn < p0 + 4; ++pn)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_64x32_ss<T>(s, sw128_desc(base + W::Q_OFF + pn * W::QPANEL + kk * 32),
+                          sw128_desc(st + pn * W::KPANEL + kk * 32), 1);
   }
 }
 
 // Scales scores to base 2 and masks keys that are invalid or past the row's limit.
-// The block's validity flags decide whether any key needs the per-key bytes.
+// The block's validity ballot decides whether any key needs the per-key flags.
 __device__ __forceinline__ void wide_mask(float (&s)[WideSm90::SACC], float scale_log2, uint32_t base, int stage,
                                           int key0, const int (&limit)[2], int t4) {
   using W = WideSm90;
@@ -443,7 +359,7 @@ __device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], float s
 
 constexpr int kWideKSteps = WideSm90::BK / 16;  // k16 steps of P V per block
 
-// The 64 x 64 probabilities as the A fragments of four k16 steps.
+// The 64 x 32 probabilities as the A fragments of two k16 steps.
 template <typename T>
 __device__ __forceinline__ void wide_pack_p(const float (&s)[WideSm90::SACC], uint32_t (&pa)[kWideKSteps][4]) {
 #pragma unroll
@@ -454,10 +370,10 @@ __device__ __forceinline__ void wide_pack_p(const float (&s)[WideSm90::SACC], ui
     pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
   }
 }
-// P fragments to / from a block's rope panel: 64 rows of 128 bytes (64 keys), chunk c
-// of row r at c ^ (r & 7), as every panel: the eight rows of a store or ldmatrix phase
-// fall in distinct banks.
-__device__ __forceinline__ uint32_t wide_p_offset(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+// P fragments to / from a 64 x 32 tile of 64-byte rows, chunk c of row r at
+// c ^ ((r >> 1) & 3): the eight rows of every store or ldmatrix phase fall in
+// distinct banks.
+__device__ __forceinline__ uint32_t wide_p_offset(int r, int c) { return r * 64 + ((c ^ ((r >> 1) & 3)) << 4); }
 __device__ __forceinline__ void wide_store_p(uint32_t buf, const uint32_t (&pa)[kWideKSteps][4], int warp,
                                              int lane) {
   buf = opaque(buf);
@@ -476,9 +392,6 @@ __device__ __forceinline__ void wide_load_p(uint32_t buf, uint32_t (&pa)[kWideKS
   const int row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, ch = lane >> 4;
 #pragma unroll
   for (int kk = 0; kk < kWideKSteps; ++kk) ldmatrix_x4(pa[kk], buf + wide_p_offset(row, 2 * kk + ch));
-}
-__device__ __forceinline__ uint32_t wide_p_panel(uint32_t base, int stage) {
-  return WideSm90::stage_addr(base, stage) + WideSm90::ROPE_PANEL * WideSm90::KPANEL;
 }
 
 template <typename T>
@@ -513,17 +426,11 @@ __device__ __forceinline__ void wide_rescale(float (&o)[128], const float (&a)[2
     o[4 * j + 3] *= a[1];
   }
 }
-template <int N>
-__device__ __forceinline__ void zero_fragments(uint32_t (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0u;
-}
 
 // ---- consumers -------------------------------------------------------------------
 
 template <typename T, int HALF>
-__device__ __forceinline__ void wide_consumer(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
-                                              int hb, uint32_t base) {
+__device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, int h0, int hb, uint32_t base) {
   using W = WideSm90;
   const int tid = threadIdx.x - 128 * (1 + HALF);
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -549,48 +456,33 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const KeyTensorM
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};
 
-  // Each consumer computes its block's S at the end of a trip, for the next one. The
-  // loop is rotated so that no MMA is in flight across its back edge, and every MMA
-  // group is issued on every trip (past the end they recompute a block whose phase has
-  // completed and are dropped; without a block B, P = 0 times block A's rows): with one
-  // path through each wgmma pipeline stage ptxas keeps the MMAs asynchronous (a branch
-  // around one makes it copy accumulators inside the stage and serialise every wgmma of
-  // the kernel, C7515).
+  // Software-pipelined over pairs: each consumer issues its next S right behind its PV of the
+  // pair, so the tensor pipe has the next scores queued while the hand-offs run, and consumer 0's
+  // softmax of the next block A overlaps its last PV. The loop is rotated so that no MMA is in
+  // flight across its back edge, and every MMA group is issued on every trip (past the end they
+  // recompute a finished block and are dropped): with one path through each wgmma pipeline
+  // stage ptxas keeps the MMAs asynchronous (a branch around one makes it copy accumulators
+  // inside the stage and serialise every wgmma of the kernel, C7515).
   uint32_t pa[kWideKSteps][4], pb[kWideKSteps][4];
   float s[W::SACC];
-  float a_max[2], a_alpha[2], a_sum[2];  // consumer 0: block A's softmax, made one trip ahead
-  // After this consumer released a half of block blk - 2 (its lane 0s arrived on the
-  // "empty" barrier of use `use`): when the consumer refills it (wide_consumer_refills,
-  // uniform over the warpgroup), every warp waits for the other warps' release (and the
-  // producer's arrival, long made) and thread 0 issues block blk's TMA boxes. The page id is read here, not held through the pair
-  // (registers): the producer read it a pair earlier, so it comes from L1.
-  auto refill = [&](int blk, int half, int use) {
-    const int key = u.kv_begin + blk * W::BK;
-    if (blk >= num_blocks || p.page_size < W::BK) return;
-    const int page = __ldg(p.page_table + (size_t)max(u.request, 0) * p.max_pages + (key >> p.log2_page_size));
-    if (!wide_consumer_refills(p, maps, u, blk, page)) return;
-    const int stage = blk & 1;
-    mbar_wait(W::empty_bar(base, stage, half), use & 1);
-    if (tid == 0) {
-      const int rows[4] = {page * p.page_size + ((u.kv_begin + blk * W::BK) & (p.page_size - 1)), 0, 0, 0};
-      wide_tma_half(maps, base, stage, half, rows, W::BK);
-    }
-    __syncwarp();
-  };
-  auto softmax_a = [&](int key0) {
+  float a_max[2], a_alpha[2], a_sum[2];  // consumer 0: block A's softmax, made one step ahead
+  // Consumer 0's softmax of block A (scores in s) against the running max.
+  auto softmax_a = [&](int stage_a, int key0) {
     fence_registers(s);
-    wide_softmax(s, p.scale_log2, base, 0, key0, limit, t4, m_run, a_max, a_alpha, a_sum);
+    wide_softmax(s, p.scale_log2, base, stage_a, key0, limit, t4, m_run, a_max, a_alpha, a_sum);
+    // S and the mask are read: the rope panel and the right half go back. Every thread read
+    // the key flags, so every thread's arrival publishes its reads (rope group).
+    mbar_arrive(W::empty_bar(base, stage_a, W::kRope));
+    if (lane == 0) mbar_arrive(W::empty_bar(base, stage_a, W::kRight));
   };
   if (num_blocks > 0) {
     if constexpr (HALF == 0) {
-      wide_scores<T, true, 0>(s, base, 0, 0);
-      wide_scores<T, true, 1>(s, base, 0, 0);
+      wide_scores<T, true>(s, base, 0, 0);
       wgmma_commit();
       wgmma_wait<0>();
-      softmax_a(u.kv_begin);
+      softmax_a(0, u.kv_begin);
     } else if (num_blocks > 1) {
-      wide_scores<T, false, 0>(s, base, 1, 0);
-      wide_scores<T, false, 1>(s, base, 1, 0);
+      wide_scores<T, false>(s, base, 1, 0);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(s);
@@ -598,14 +490,15 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const KeyTensorM
   }
 #pragma unroll 1
   for (int pair = 0; 2 * pair < num_blocks; ++pair) {
-    // Pair k is stage 0's and stage 1's k-th use.
+    // Pair k uses stages 2 (k % 2) and 2 (k % 2) + 1, for the (k / 2)-th time.
+    const int stage_a = 2 * (pair & 1), stage_b = stage_a + 1;
     const bool has_b = 2 * pair + 1 < num_blocks;
-    const int parity = pair & 1, next_parity = parity ^ 1;
+    const int parity = (pair >> 1) & 1, next_parity = ((pair + 1) >> 1) & 1;
     const int key0 = u.kv_begin + 2 * pair * W::BK;
-    const uint32_t st_a = W::stage_addr(base, 0), st_b = W::stage_addr(base, 1);
+    const uint32_t st_a = W::stage_addr(base, stage_a), st_b = W::stage_addr(base, stage_b);
     if constexpr (HALF == 0) {
       const bool has_next = 2 * pair + 2 < num_blocks;
-      // ---- block A (softmax done a trip ahead): P_A to its rope panel, signal, PV ----
+      // ---- block A (softmax done a step ahead): rescale, signal, PV; the next S_A behind it ----
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_alpha[e] + a_sum[e];
       wide_rescale(o, a_alpha);
@@ -617,21 +510,18 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const KeyTensorM
           *stat_ptr(W::kAlphaA, r[e]) = a_alpha[e];
         }
       }
-      wide_store_p(wide_p_panel(base, 0), pa, warp, lane);
-      fence_proxy_async_shared();  // the rope panel is TMA's to refill after consumer 1 reads P_A
+      wide_store_p(base + W::PA_OFF, pa, warp, lane);
       mbar_arrive(W::a_ready_bar(base));
       wgmma_fence();
       wide_pv<T, 0>(o, pa, st_a);
       wgmma_commit();
-      // PV_A ends (while consumer 1 does its softmax) before the wait for block B, so that
-      // block A's left half goes back, and the next block A starts to stream in, at once.
-      wgmma_wait<0>();
-      fence_registers(o);
-      fence_fragments(pa);
-      if (lane == 0) mbar_arrive(W::empty_bar(base, 0, W::kLeft));
-      refill(2 * pair + 2, W::kLeft, pair);
+      // Issued on every trip (see above): past the last pair it recomputes this pair's block A,
+      // whose phase has completed (no wait), and is dropped.
+      wide_scores<T, true>(s, base, has_next ? stage_a ^ 2 : stage_a, has_next ? next_parity : parity);
+      wgmma_commit();
       // ---- block B's probabilities from consumer 1 ----
-      mbar_wait(W::b_ready_bar(base), parity);
+      mbar_wait(W::b_ready_bar(base), pair & 1);
+      fence_proxy_async_shared();  // block B's left half landed for consumer 1; our wgmma reads it next
       float a_b[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -639,33 +529,34 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const KeyTensorM
         m_run[e] = *stat_ptr(W::kMaxB, r[e]);
       }
       if (has_b) {
-        wide_load_p(wide_p_panel(base, 1), pb, warp, lane);
+        wide_load_p(base + W::PB_OFF, pb, warp, lane);
       } else {
-        zero_fragments(pb);
+#pragma unroll
+        for (int kk = 0; kk < kWideKSteps; ++kk) pb[kk][0] = pb[kk][1] = pb[kk][2] = pb[kk][3] = 0u;
       }
+      wgmma_wait<1>();  // PV_A is done (the next S_A may still run)
+      fence_registers(o);
+      fence_fragments(pa);
+      if (lane == 0) mbar_arrive(W::empty_bar(base, stage_a, W::kLeft));
       wide_rescale(o, a_b);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] *= a_b[e];
+      // Issued on every trip (see above): without a block B, P = 0 times block A's rows, which
+      // adds 0 to O (or NaN where PV_A already made one: a non-finite row).
       wgmma_fence();
       wide_pv<T, 0>(o, pb, has_b ? st_b : st_a);
       wgmma_commit();
-      // ---- the next block A's S while PV_B runs: its left half first (released above) ----
-      // Past the last block it recomputes this block A, whose phase has completed.
-      const int s_parity = has_next ? next_parity : parity;
-      wide_scores<T, true, 0>(s, base, 0, s_parity);
-      wgmma_commit();
-      wgmma_wait<1>();  // PV_B is done: block B's left half (and P_B in its rope panel) goes back
+      // ---- the next block A's softmax while PV_B runs ----
+      wgmma_wait<1>();
+      if (has_next) softmax_a(stage_a ^ 2, key0 + 2 * W::BK);
+      wgmma_wait<0>();
       fence_registers(o);
       fence_fragments(pb);
-      if (has_b) mbar_arrive(W::empty_bar(base, 1, W::kLeft));  // the rope half: P_B was read here
-      refill(2 * pair + 3, W::kLeft, pair);
-      wide_scores<T, true, 1>(s, base, 0, s_parity);
-      wgmma_commit();
-      wgmma_wait<0>();
-      if (has_next) softmax_a(key0 + 2 * W::BK);
+      if (has_b && lane == 0) mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));
     } else {
-      // ---- block B (scores done a trip ahead): softmax from m_A ----
-      mbar_wait(W::a_ready_bar(base), parity);
+      // ---- block B (scores done a step ahead): softmax from m_A ----
+      mbar_wait(W::a_ready_bar(base), pair & 1);
+      fence_proxy_async_shared();  // block A's right half landed for consumer 0; our wgmma reads it next
       float m_a[2], a_a[2], m_b[2], a_b[2] = {1.f, 1.f};
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -675,16 +566,17 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const KeyTensorM
       }
       if (has_b) {
         float sum[2];
-        wide_softmax(s, p.scale_log2, base, 1, key0 + W::BK, limit, t4, m_a, m_b, a_b, sum);
+        wide_softmax(s, p.scale_log2, base, stage_b, key0 + W::BK, limit, t4, m_a, m_b, a_b, sum);
+        // S_B and its mask are read: rope panel (every thread: each read flags) and left half go back
+        mbar_arrive(W::empty_bar(base, stage_b, W::kRope));
+        if (lane == 0) mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));
 #pragma unroll
         for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_a[e] * a_b[e] + sum[e];
         wide_pack_p<T>(s, pb);
-        wide_store_p(wide_p_panel(base, 1), pb, warp, lane);
-        fence_proxy_async_shared();  // the rope panel is TMA's to refill after consumer 0 reads P_B
+        wide_store_p(base + W::PB_OFF, pb, warp, lane);
       } else {
 #pragma unroll
         for (int e = 0; e < 2; ++e) l_run[e] *= a_a[e];
-        zero_fragments(pb);
       }
       if (t4 == 0) {
 #pragma unroll
@@ -693,7 +585,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const KeyTensorM
           *stat_ptr(W::kAlphaB, r[e]) = a_b[e];
         }
       }
-      wide_load_p(wide_p_panel(base, 0), pa, warp, lane);
+      wide_load_p(base + W::PA_OFF, pa, warp, lane);
       mbar_arrive(W::b_ready_bar(base));
       // P_A was made against m_A; this half of O now lives at m_B.
 #pragma unroll
@@ -705,31 +597,23 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const KeyTensorM
       }
       const float a_ab[2] = {a_a[0] * a_b[0], a_a[1] * a_b[1]};
       wide_rescale(o, a_ab);
-      // PV_B first: block B's right half is what this consumer's next S starts on, so it
-      // goes back (and streams in again) while PV_A runs.
-      // PV_A first: block A's right half (with P_A) is what consumer 0's next S waits for.
       wgmma_fence();
+      if (has_b) wide_pv<T, 1>(o, pb, st_b);
       wide_pv<T, 1>(o, pa, st_a);
       wgmma_commit();
-      wide_pv<T, 1>(o, pb, has_b ? st_b : st_a);
+      // The next pair's S_B goes in behind it; issued on every trip (see above): without a next
+      // block B it recomputes this pair's block A, whose phase has completed, and is dropped.
+      const bool next_b = 2 * pair + 3 < num_blocks;
+      wide_scores<T, false>(s, base, next_b ? stage_b ^ 2 : stage_a, next_b ? next_parity : parity);
       wgmma_commit();
       wgmma_wait<1>();
-      fence_fragments(pa);
-      mbar_arrive(W::empty_bar(base, 0, W::kRight));  // the rope half: P_A was read here
-      refill(2 * pair + 2, W::kRight, pair);
-      wgmma_wait<0>();
       fence_registers(o);
-      fence_fragments(pb);
-      if (has_b && lane == 0) mbar_arrive(W::empty_bar(base, 1, W::kRight));
-      refill(2 * pair + 3, W::kRight, pair);
-      // The next block B's S, right half first. Past the last block B it recomputes this
-      // pair's block B (not refilled again), or without one block A (nothing is refilled).
-      const bool next_b = 2 * pair + 3 < num_blocks;
-      const int s_stage = next_b || has_b ? 1 : 0;
-      const int s_parity = next_b ? next_parity : parity;
-      wide_scores<T, false, 0>(s, base, s_stage, s_parity);
-      wide_scores<T, false, 1>(s, base, s_stage, s_parity);
-      wgmma_commit();
+      fence_fragments(pa);
+      if (has_b) fence_fragments(pb);
+      if (lane == 0) {
+        mbar_arrive(W::empty_bar(base, stage_a, W::kRight));
+        if (has_b) mbar_arrive(W::empty_bar(base, stage_b, W::kRight));
+      }
       wgmma_wait<0>();
       fence_registers(s);
 #pragma unroll
@@ -754,7 +638,6 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const KeyTensorM
                           [&](int j) { return make_float2(o[4 * j + 2 * e], o[4 * j + 2 * e + 1]); });
   }
 }
-
 
 // ---- the kernel ----------------------------------------------------------------------
 
@@ -802,10 +685,10 @@ __global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kern
     finish_unit(p, u);
     if (threadIdx.x == 0) {
       for (int s = 0; s < W::STAGES; ++s)
-      {
-        for (int i = 0; i < 9; ++i) mbar_init(W::full_bar(base, s, i), W::kFullCount);
-        for (int h = 0; h < 2; ++h) mbar_init(W::empty_bar(base, s, h), W::empty_count(s, h));
-      }
+        for (int g = 0; g < 3; ++g) {
+          mbar_init(W::full_bar(base, s, g), 128 + (g == W::kRope ? 4 : 0));
+          mbar_init(W::empty_bar(base, s, g), W::empty_count(s, g));
+        }
       mbar_init(W::query_bar(base), 128);
       mbar_init(W::a_ready_bar(base), 128);
       mbar_init(W::b_ready_bar(base), 128);
@@ -819,9 +702,9 @@ __global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kern
     } else {
       claim_registers<232>();
       if (wg == 1) {
-        wide_consumer<T, 0>(p, maps, u, h0, hb, base);
+        wide_consumer<T, 0>(p, u, h0, hb, base);
       } else {
-        wide_consumer<T, 1>(p, maps, u, h0, hb, base);
+        wide_consumer<T, 1>(p, u, h0, hb, base);
       }
     }
   }

@@ -117,9 +117,9 @@ struct WideSm90 {
   // Expected arrivals. full: every producer thread's cp.async arrival (+ one
   // plain arrival per producer warp for the rope group, which publishes the key
   // mask). empty: one arrival per warp of each consumer warpgroup that reads the
-  // group, per thread for the rope group (whose key flags every thread of the
-  // softmax reads) (stage 0 = block A: consumer 0 computes S on all of it and PV on the
-  // left half, consumer 1 PV on the right half; odd stages (block B) mirrored).
+  // group (stage 0 = block A: consumer 0 computes S on all of it and PV on the
+  // left half, consumer 1 PV on the right half; odd stages (block B) mirrored);
+  // the rope group one per thread, as every thread of the softmax reads its key flags.
   static __device__ __forceinline__ int empty_count(int stage, int group) {
     if (group == kRope) return 128;  // every thread of the consumer whose softmax read the key flags
     const bool shared = (stage & 1) == 0 ? group == kRight : group == kLeft;

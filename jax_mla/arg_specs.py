@@ -59,6 +59,10 @@ class ArgSpec:
     # ("TFLOP/s", x) floors; ("us", x) a ceiling.
     targets: tuple = ()
 
+    def __post_init__(self):
+        if self.split and self.whole:
+            raise ValueError(f"an ArgSpec is split or whole, not both: split={self.split}, whole={self.whole}")
+
     @property
     def num_requests(self) -> int:
         for x in (self.q_lens, self.kv_lens):
@@ -99,8 +103,6 @@ class ArgSpec:
         """`split_target()` or `testing.no_split_target()` when the spec asks for one, else None
         (the op's default target)."""
         from .testing import no_split_target
-        if self.split and self.whole:
-            raise ValueError(f"an ArgSpec is split or whole, not both: {self}")
         return split_target() if self.split else no_split_target() if self.whole else None
 
     def build(self, rng: np.random.Generator, *, d_ckv: int = 512, d_kpe: int = 64):
@@ -192,8 +194,8 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # the wide body with odd block counts
     ArgSpec(32, 16, (2, 1, 2, 1), (333, 190, 64, 2), dtype="float16", padding=1, bad_pages=True, split=True,
             tags=_tags("small", "sweep")),
-    # wide units of many blocks ending in a partial one, unsplit: the wgmma body's consumers refill
-    # the stages past the first pair and its producer loads the last block (ffi/cuda/NOTES.md, v7)
+    # wide units of many blocks ending in a partial one, unsplit: every stage of the wgmma body's
+    # ring is reused, and the partial last block is gathered by cp.async into a stage just released
     ArgSpec(32, 64, (1, 2, 1), (700, 450, 129), whole=True, tags=_tags("small", "sweep")),
     # the fp8 cache (e4m3 ckv, kpe in the query dtype): narrow and wide units, splits, bad pages
     ArgSpec(16, 16, (1, 4, 0, 2), (700, 90, 0, 33), kv_dtype="float8_e4m3fn", padding=1, split=True,

@@ -4,7 +4,7 @@ compute-sanitizer runs, and the check of its outputs against NumPy.
     python3 tools/sanitize_harness/cases.py make DIR     # writes DIR/case*.bin
     build/gpu/sanitize_harness DIR/case*.bin             # (under compute-sanitizer)
     python3 tools/sanitize_harness/cases.py check DIR    # compares DIR/case*.bin.out
-    python3 tools/sanitize_harness/cases.py timing DIR   # plans of the `timing` shapes (--time)
+    python3 tools/sanitize_harness/cases.py timing DIR   # plans of the `timing` and `fp8` shapes (--time)
     python3 tools/sanitize_harness/cases.py profile DIR  # the `profile` shapes (ncu)
 
 Cases are the `small` shapes of jax_mla/arg_specs.py: varlen batches with splits, page sizes 1 to
@@ -62,15 +62,17 @@ def _write_case(path, header, float_arrays, int_arrays):
 def make_timing(d):
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(5)
-    for k, spec in enumerate(arg_specs("timing")):
+    for k, spec in enumerate(arg_specs("timing") + arg_specs("fp8")):  # fp8: e4m3 ckv (bf16 queries, kpe)
         b, h, ps = spec.num_requests, spec.heads, spec.page_size
         qo, kv = spec.lengths()
         per = int(-(-kv.max() // ps))
         table = rng.permutation(b * per).astype(np.int32).reshape(b, per)
         plan = plan_mla(qo, kv, num_heads=h, page_size=ps, max_pages_per_request=per, target=TIMING_TARGET)
+        cache = 1 if spec.kv_dtype == "float8_e4m3fn" else 0
         header = (0x4D4C4131, 0, b, h, b * per, ps, b, per, b, plan.work.shape[0], plan.merge.shape[0],
-                  plan.num_partial_rows, 1)  # last word 1: no data arrays
-        _write_case(os.path.join(d, f"time{k}_{b}x{int(kv.max())}_h{h}_ps{ps}.bin"), header, (),
+                  plan.num_partial_rows, 1, cache)  # word 12 = 1: no data arrays; 13: the cache kind
+        kind = "_fp8" if cache else ""
+        _write_case(os.path.join(d, f"time{k}_{b}x{int(kv.max())}_h{h}_ps{ps}{kind}.bin"), header, (),
                     (table, kv.astype(np.int32), plan.work, plan.merge))
         print(f"time{k}: {spec.name}: {plan.describe()}")
 

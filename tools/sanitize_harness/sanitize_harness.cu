@@ -130,6 +130,14 @@ __global__ void fill_random(T* x, size_t n, uint32_t seed) {
   }
 }
 
+// e4m3 bytes of magnitude <= 3.75 (exponent field <= 8), never NaN.
+__global__ void fill_random_fp8(unsigned char* x, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const uint32_t h = mix32((uint32_t)i * 0x9e3779b9U ^ mix32(seed + (uint32_t)(i >> 32)));
+    x[i] = (unsigned char)((h & 0x80u) | ((h >> 8) % 72u));
+  }
+}
+
 __global__ void empty_kernel() {}
 
 template <typename T>
@@ -171,16 +179,32 @@ static float graph_us(cudaStream_t stream, int n, F calls) {
   return ms[ms.size() / 2] * 1000.f / n;
 }
 
-template <typename T>
+template <typename T, int kCache>
 static void time_case(Problem p, const char* name) {
+  using F = CacheFormat<kCache>;
+  auto launch_op = [](const Problem& q, cudaStream_t st, int grid) { return launch<T, kCache>(q, st, grid); };
+  auto launch_attn = [](const Problem& q, cudaStream_t st) { return launch_attention<T, kCache>(q, st); };
   const size_t n_ckv = (size_t)p.num_pages * p.page_size * kDimCkv, n_kpe = (size_t)p.num_pages * p.page_size * kDimKpe;
-  const size_t cache_bytes = (n_ckv + n_kpe) * sizeof(T);
+  const size_t cache_bytes = n_ckv * F::kCkvBytes / kDimCkv + n_kpe * F::kKpeBytes / kDimKpe;
   const int sets = (int)std::min<size_t>(8, std::max<size_t>(1, (size_t)(256u << 20) / std::max<size_t>(cache_bytes, 1) + 1));
   std::vector<Problem> ps(sets, p);
   const size_t n_q = (size_t)p.num_tokens * p.num_heads;
+  float* scales = nullptr;  // fp8 caches: ckv and kpe scales, 1/4 (values up to 3.75, fill_random_fp8)
+  const float scale_values[2] = {0.25f, 0.25f};
+  CHECK(cudaMalloc(&scales, 2 * sizeof(float)));
+  CHECK(cudaMemcpy(scales, scale_values, sizeof(scale_values), cudaMemcpyHostToDevice));
+  auto random_fp8 = [](size_t n, uint32_t seed) {
+    unsigned char* d = nullptr;
+    CHECK(cudaMalloc(&d, std::max<size_t>(n, 1)));
+    fill_random_fp8<<<1024, 256>>>(d, n, seed);
+    CHECK(cudaGetLastError());
+    return (void*)d;
+  };
   for (int s = 0; s < sets; ++s) {
-    ps[s].ckv = device_random<T>(n_ckv, 17 * s + 1);
-    ps[s].kpe = device_random<T>(n_kpe, 17 * s + 2);
+    ps[s].ckv = F::kFp8Ckv ? random_fp8(n_ckv, 17 * s + 1) : (void*)device_random<T>(n_ckv, 17 * s + 1);
+    ps[s].kpe = F::kFp8Kpe ? random_fp8(n_kpe, 17 * s + 2) : (void*)device_random<T>(n_kpe, 17 * s + 2);
+    ps[s].ckv_scale = scales;
+    ps[s].kpe_scale = scales + 1;
     ps[s].q_nope = device_random<T>(n_q * kDimCkv, 17 * s + 3);
     ps[s].q_pe = device_random<T>(n_q * kDimKpe, 17 * s + 4);
   }
@@ -199,29 +223,29 @@ static void time_case(Problem p, const char* name) {
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const int n = 20, merge_grid = 4 * sm_count();
-  for (int s = 0; s < sets; ++s) CHECK(launch<T>(ps[s], stream, merge_grid));  // warm up, opt-ins outside capture
+  for (int s = 0; s < sets; ++s) CHECK(launch_op(ps[s], stream, merge_grid));  // warm up, opt-ins outside capture
   CHECK(cudaStreamSynchronize(stream));
-  const float full = graph_us(stream, n, [&](int i) { CHECK(launch<T>(ps[i % sets], stream, merge_grid)); });
-  const float attn = graph_us(stream, n, [&](int i) { CHECK(launch_attention<T>(ps[i % sets], stream)); });
+  const float full = graph_us(stream, n, [&](int i) { CHECK(launch_op(ps[i % sets], stream, merge_grid)); });
+  const float attn = graph_us(stream, n, [&](int i) { CHECK(launch_attn(ps[i % sets], stream)); });
   const float merge = graph_us(stream, n, [&](int i) { CHECK(launch_merge<T>(ps[i % sets], stream, merge_grid)); });
   const float empty = graph_us(stream, n, [&](int) { empty_kernel<<<132, 256, 0, stream>>>(); });
   // The op with other merge grids, and with the merge as an ordinary launch (no PDL).
   float grid_us[3];
   const int grids[3] = {sm_count(), 2 * sm_count(), 8 * sm_count()};
   for (int g = 0; g < 3; ++g)
-    grid_us[g] = graph_us(stream, n, [&](int i) { CHECK(launch<T>(ps[i % sets], stream, grids[g])); });
+    grid_us[g] = graph_us(stream, n, [&](int i) { CHECK(launch_op(ps[i % sets], stream, grids[g])); });
   const float no_pdl = graph_us(stream, n, [&](int i) {
-    CHECK(launch_attention<T>(ps[i % sets], stream));
+    CHECK(launch_attn(ps[i % sets], stream));
     mla_merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(ps[i % sets]);
     CHECK(cudaGetLastError());
   });
-  std::printf("time %s (W=%d M=%d sets=%d): op %.1f us | attention alone %.1f | merge alone %.1f | empty kernel %.1f"
+  std::printf("time %s (cache %d, W=%d M=%d sets=%d): op %.1f us | attention alone %.1f | merge alone %.1f | empty kernel %.1f"
               " | op with merge grid %d/%d/%d: %.1f/%.1f/%.1f | op without PDL %.1f\n",
-              name, p.num_work, p.num_merge, sets, full, attn, merge, empty, grids[0], grids[1], grids[2], grid_us[0],
+              name, kCache, p.num_work, p.num_merge, sets, full, attn, merge, empty, grids[0], grids[1], grids[2], grid_us[0],
               grid_us[1], grid_us[2], no_pdl);
   for (auto& q : ps)
     for (const void* ptr : {q.q_nope, q.q_pe, q.ckv, q.kpe}) CHECK(cudaFree(const_cast<void*>(ptr)));
-  for (void* ptr : {out, lse, po, pl}) CHECK(cudaFree(ptr));
+  for (void* ptr : {out, lse, po, pl, (void*)scales}) CHECK(cudaFree(ptr));
   CHECK(cudaStreamDestroy(stream));
 }
 
@@ -256,13 +280,14 @@ int main(int argc, char** argv) {
     p.work = upload(work);
     p.merge = upload(merge);
     set_problem_sizes(p, T, H, P, ps, R, maxp, nkv, W, M, Pp, scale);
+    // Word 13: the cache kind (mla_fp8.cuh); 14-15: the fp8 scales' float bits (cases with data).
+    const int cache = h[13];
     if (timing) {
-      if (dtype == 0) time_case<__nv_bfloat16>(p, argv[a]);
-      else time_case<__half>(p, argv[a]);
+      if (dtype == 0 && cache == kCacheFp8Ckv) time_case<__nv_bfloat16, kCacheFp8Ckv>(p, argv[a]);
+      else if (dtype == 0) time_case<__nv_bfloat16, kCacheAsQuery>(p, argv[a]);
+      else time_case<__half, kCacheAsQuery>(p, argv[a]);
     } else {
       const std::string out_path = std::string(argv[a]) + ".out";
-      // Words 13-15: the cache kind (mla_fp8.cuh) and the fp8 scales' float bits.
-      const int cache = h[13];
       float ckv_scale = 1.f, kpe_scale = 1.f;
       std::memcpy(&ckv_scale, &h[14], 4);
       std::memcpy(&kpe_scale, &h[15], 4);

@@ -202,6 +202,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
             tags=_tags("small", "sweep")),
     ArgSpec(64, 1, (1, 1, 2), (260, 31, 77), dtype="float16", kv_dtype="float8_e4m3fn", bad_pages=True,
             split=True, tags=_tags("small", "sweep")),
+    # ... and wide fp8 units of many blocks ending in a partial one: the wgmma body's producer turns
+    # each latent half into fp16 in its stage (TMA for whole blocks, cp.async for the partial one)
+    ArgSpec(32, 64, (1, 2, 1), (700, 450, 129), kv_dtype="float8_e4m3fn", whole=True, tags=_tags("small", "sweep")),
     # ---- ... and the rest of the CUDA sweep: long ranges (many trips round the key ring) on the
     # default plan, two head blocks of unequal size, odd head counts, one head with 64-token tiles
     ArgSpec(16, 16, 1, (20000, 3000, 129), tags=_tags("sweep")),

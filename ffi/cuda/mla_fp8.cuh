@@ -1,6 +1,7 @@
 // The FP8 (e4m3) latent cache in the kernels: the one place where every body
 // (narrow, portable wide) gathers a key row, turns fp8 into its MMA type and
-// applies the scales.
+// applies the scales. (The wgmma wide body's producer converts whole stages
+// with fp8x8_to, in fp16: wide_producer_fp8 in mla_wide_sm90.cuh.)
 //
 // A stage row holds one key as 72 16-byte chunks of the MMA type T (bf16 or
 // fp16): chunks 0-63 the latent (ckv), 64-71 the rope part (kpe). An fp8 row is
@@ -86,6 +87,13 @@ __device__ __forceinline__ uint4 fp8x8_to(uint2 raw) {
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
+
+// The type the wgmma body (mla_wide_sm90.cuh) multiplies the latent part in: the queries' type, or
+// fp16 with an fp8 ckv. e4m3 -> fp16 is one cvt a pair and exact (to bf16 it is four operations a
+// pair); the queries' latent part is brought into fp16's range by a power of two per row
+// (wide_prepare_queries_fp8), and P is in [0, 1], where fp16 is the finer of the two.
+template <typename T, int kCache>
+using LatentMmaType = std::conditional_t<CacheFormat<kCache>::kFp8Ckv, __half, T>;
 
 // The factors an fp8 cache's scales put on the scores and the output (1 for other caches).
 struct CacheScales {

@@ -103,27 +103,31 @@ inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
 }
 
 // The wide body's TMA descriptors of the caches (a host computation: no device
-// work, legal during stream capture). Left disabled for fp8 caches (their keys go
-// through the portable body), page sizes below a key block, and where encoding fails.
+// work, legal during stream capture). Left disabled for an fp8 kpe (that cache takes the
+// portable body), page sizes below a key block, and where encoding fails. An fp8 ckv is
+// described as bytes in boxes of 128 (one 128-byte swizzled row of raw e4m3 per key,
+// wide_producer_fp8); kpe and a ckv of the queries' type in boxes of 64 dims (128 bytes).
 template <typename T, int kCache>
 inline KeyTensorMaps key_tensor_maps(const Problem& p) {
   KeyTensorMaps maps = {};
   const uint64_t rows = (uint64_t)p.num_pages * (uint64_t)p.page_size;
-  if constexpr (kCache == kCacheAsQuery && (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>)) {
+  if constexpr (kCache != kCacheFp8CkvKpe && (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>)) {
     const auto encode = tensor_map_encoder();
     if (encode == nullptr || p.page_size < WideSm90::BK || rows == 0 || rows > (1ull << 31)) return maps;
     const CUtensorMapDataType type =
         std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    auto make = [&](CUtensorMap* map, const void* data, uint64_t dims) {
+    auto make = [&](CUtensorMap* map, const void* data, uint64_t dims, CUtensorMapDataType dtype, int bytes) {
       const cuuint64_t size[2] = {dims, rows};
-      const cuuint64_t stride[1] = {dims * sizeof(T)};  // bytes between rows
-      const cuuint32_t box[2] = {64, WideSm90::BK};     // 64 dims (128 bytes) x one key block
+      const cuuint64_t stride[1] = {dims * bytes};  // bytes between rows
+      const cuuint32_t box[2] = {128u / bytes, WideSm90::BK};  // 128 bytes x one key block
       const cuuint32_t step[2] = {1, 1};
-      return encode(map, type, 2, const_cast<void*>(data), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      return encode(map, dtype, 2, const_cast<void*>(data), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
                     CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
     };
-    maps.enabled = make(&maps.ckv, p.ckv, kDimCkv) && make(&maps.kpe, p.kpe, kDimKpe) ? 1 : 0;
+    const bool ckv_ok = kCache == kCacheFp8Ckv ? make(&maps.ckv, p.ckv, kDimCkv, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1)
+                                               : make(&maps.ckv, p.ckv, kDimCkv, type, (int)sizeof(T));
+    maps.enabled = ckv_ok && make(&maps.kpe, p.kpe, kDimKpe, type, (int)sizeof(T)) ? 1 : 0;
   }
   return maps;
 }

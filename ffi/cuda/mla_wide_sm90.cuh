@@ -2,7 +2,9 @@
 // (rows = tokens x heads of one request: 32-128 heads, or 16 heads x 2-4 tokens
 // of MTP / speculative verify) take a warp-specialised body built on wgmma;
 // units of at most 16 rows take the narrow body (mla_narrow_kernel.cuh) on the
-// first two warpgroups.
+// first two warpgroups. With an fp8 ckv the wide body's producer converts the keys
+// to fp16 in the ring (wide_producer_fp8) and the consumers multiply the latent part
+// in fp16; an fp8 kpe takes the portable wide body.
 //
 // The wide body: one block = one work unit x 64 rows (padding rows are zero),
 // three warpgroups.
@@ -87,7 +89,8 @@ struct WideSm90 {
   static constexpr int MASK_OFF = STATS_OFF + 6 * ROWS * 4;
   static constexpr int KEY_OK_OFF = MASK_OFF + STAGES * 4;
   static constexpr int BAR_OFF = KEY_OK_OFF + STAGES * BK;
-  static constexpr int NUM_BARS = 2 * STAGES * 3 + 3;  // full / empty x stage x group, queries, A / B ready
+  // full / empty x stage x group, queries, A / B ready; fp8 cache: raw latent landed x stage x half
+  static constexpr int NUM_BARS = 2 * STAGES * 3 + 3 + 2 * STAGES;
   static constexpr int BYTES = BAR_OFF + NUM_BARS * 8;
   static constexpr int SMEM_BYTES = BYTES + 1024 - 16;  // room to align the base
 
@@ -95,6 +98,7 @@ struct WideSm90 {
   enum Stat : int { kMaxA = 0, kAlphaA = 1, kMaxB = 2, kAlphaB = 3, kSum0 = 4, kSum1 = 5 };
   enum NamedBarrier : int { kConsumers = 1 };
   static constexpr int kConsumerThreads = 256;
+  static constexpr int kConverterThreads = 64;  // fp8 cache: producer warps 2-3 (wide_producer_fp8)
 
   static __device__ __forceinline__ uint32_t full_bar(uint32_t base, int stage, int group) {
     return base + BAR_OFF + (stage * 3 + group) * 8;
@@ -107,6 +111,10 @@ struct WideSm90 {
   // a_B and P_B are, and P_A has been read. One phase per pair, all 128 threads arrive.
   static __device__ __forceinline__ uint32_t a_ready_bar(uint32_t base) { return query_bar(base) + 8; }
   static __device__ __forceinline__ uint32_t b_ready_bar(uint32_t base) { return query_bar(base) + 16; }
+  // fp8 cache: the raw e4m3 bytes of a latent half (group kLeft / kRight) have landed in its stage.
+  static __device__ __forceinline__ uint32_t raw_bar(uint32_t base, int stage, int group) {
+    return query_bar(base) + 24 + (stage * 2 + group - kLeft) * 8;
+  }
   static __device__ __forceinline__ uint32_t stage_addr(uint32_t base, int stage) {
     return base + KV_OFF + stage * STAGE;
   }
@@ -130,9 +138,10 @@ struct WideSm90 {
 };
 
 // TMA descriptors of the two caches seen as 2-D tensors of rows (ckv [P * ps, 512],
-// kpe [P * ps, 64]) with a box of 32 rows x 64 dims in the 128-byte swizzle the
-// stage panels use. Made on the host for every launch (mla_launch.cuh); `enabled`
-// is 0 where they could not be made, or the page size is below a key block.
+// kpe [P * ps, 64]) with a box of 32 rows x 128 bytes (64 dims; an fp8 ckv: 128 raw
+// bytes) in the 128-byte swizzle the stage panels use. Made on the host for every
+// launch (mla_launch.cuh); `enabled` is 0 where they could not be made, or the page
+// size is below a key block.
 struct KeyTensorMaps {
   CUtensorMap ckv;
   CUtensorMap kpe;
@@ -141,27 +150,33 @@ struct KeyTensorMaps {
 
 // ---- producer -------------------------------------------------------------------
 
-template <typename T>
-__device__ __forceinline__ void wide_producer(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
-                                              int hb, uint32_t base) {
+// The producer's key loaders: WARPS warps (tid 0 .. 32 WARPS - 1) walk the unit's key blocks
+// into the ring. Warp w takes keys w, w + WARPS, ... of every block; lane j < KEYS = 32 / WARPS
+// holds the page id of key w + WARPS j (the other lanes mirror them), fetched one block ahead.
+// For each block and group, in the order the consumers free them (block A's readers free the
+// left half first, block B's the right half), the loaders wait for the group's empty barrier,
+// then load the rope group here (key mask and flags, kpe) and a latent half by
+// load_half(group, stage, stage address, tma, tma_row, ok_bits, slot_of), where slot_of(j) is the
+// cache row of key w + WARPS j (0 when invalid: zero-filled, never read).
+// A block of 32 valid keys inside one page is one TMA box per panel, issued by thread 0 (bytes
+// counted on the barriers); the rest (page sizes below 32, a unit's partial last block, bad page
+// ids) is gathered row by row with cp.async. `tma` is uniform over the loaders: the keys' page is
+// one page, so every warp sees the same validity.
+// kLaneRow: each lane computes its own key's row once, in 32 bits, and slot_of broadcasts it (an
+// fp8 cache that fits in memory has < 2^31 rows; fewer live registers); otherwise slot_of derives
+// the row from the broadcast page id.
+template <typename T, int WARPS, bool kLaneRow, typename LoadHalf>
+__device__ __forceinline__ void wide_load_keys(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
+                                               uint32_t base, int tid, LoadHalf load_half) {
   using W = WideSm90;
-  const int tid = threadIdx.x;  // 0..127
+  constexpr int KEYS = W::BK / WARPS;  // keys a warp takes of every block
+  constexpr uint32_t kAllKeys = (1u << KEYS) - 1;
   const int warp = tid >> 5, lane = tid & 31;
-  const int rows = u.q_len * hb;
-  const T* ckv = static_cast<const T*>(p.ckv);
   const T* kpe = static_cast<const T*>(p.kpe);
-
-  // Queries: rows r = (token r / hb, head h0 + r % hb); padding rows zero.
-  load_query_tile<T, W::ROWS, 128>(p, u, h0, hb, rows, tid,
-                                   [&](int r, int c) { return base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL); });
-  mbar_arrive_on_cp_async(W::query_bar(base));
-
-  // Keys: warp w gathers the keys w, w + 4, ..., w + 28 of every block; lane j < 8
-  // holds the page id of key w + 4j (the other lanes mirror them), fetched one block ahead.
   const int kv_begin = u.kv_begin;
   const int num_blocks = (u.range_end - kv_begin + W::BK - 1) / W::BK;
   const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
-  const int key_in_block = warp + 4 * (lane & 7);
+  const int key_in_block = warp + WARPS * (lane & (KEYS - 1));
   auto page_of = [&](int blk) {
     const int key = kv_begin + blk * W::BK + key_in_block;
     return blk < num_blocks && key < u.range_end ? __ldg(pt_row + (key >> p.log2_page_size)) : -1;
@@ -175,71 +190,104 @@ __device__ __forceinline__ void wide_producer(const Problem& p, const KeyTensorM
     page_next = page_of(blk + 1);
     const int key_base = kv_begin + blk * W::BK;
     const bool ok = key_base + key_in_block < u.range_end && page >= 0 && page < p.num_pages;
-    const uint32_t ok_bits = __ballot_sync(0xffffffffu, ok) & 0xffu;  // bit j: key w + 4j
+    const uint32_t ok_bits = __ballot_sync(0xffffffffu, ok) & kAllKeys;  // bit j: key w + WARPS j
     const uint32_t st = W::stage_addr(base, stage);
-    // A block of 32 valid keys inside one page is one TMA box per panel, issued by
-    // thread 0 (bytes counted on the full barriers); the rest (page sizes below 32,
-    // a unit's partial last block, bad page ids) is gathered row by row. Uniform over
-    // the warpgroup: the keys' page is one page, so every warp sees the same ok_bits.
     const int in_page = key_base & (p.page_size - 1);
     const bool tma = maps.enabled && in_page + W::BK <= p.page_size && key_base + W::BK <= u.range_end &&
-                     ok_bits == 0xffu;
+                     ok_bits == kAllKeys;
     const int tma_row = __shfl_sync(0xffffffffu, page, 0) * p.page_size + in_page;
-    // Row (slot) of the key that lane `j` of this warp describes; 0 when invalid (not read).
+    uint32_t row = 0u;
+    if constexpr (kLaneRow) {
+      row = ok ? (uint32_t)page * p.page_size + ((key_base + key_in_block) & (p.page_size - 1)) : 0u;
+    }
     auto slot_of = [&](int j) -> size_t {
-      const int pg = __shfl_sync(0xffffffffu, page, j);
-      const int key = key_base + warp + 4 * j;
-      return ((ok_bits >> j) & 1) ? (size_t)pg * p.page_size + (key & (p.page_size - 1)) : 0;
+      if constexpr (kLaneRow) {
+        return __shfl_sync(0xffffffffu, row, j);
+      } else {
+        const int pg = __shfl_sync(0xffffffffu, page, j);
+        const int key = key_base + warp + WARPS * j;
+        return ((ok_bits >> j) & 1) ? (size_t)pg * p.page_size + (key & (p.page_size - 1)) : 0;
+      }
     };
 #pragma unroll
     for (int gi = 0; gi < 3; ++gi) {
-      // Block A's readers free the left half first, block B's the right half.
       const int group = gi == 0 ? W::kRope : ((gi == 1) == block_a ? W::kLeft : W::kRight);
       mbar_wait(W::empty_bar(base, stage, group), (use & 1) ^ 1);
-      if (group == W::kRope) {
-        if (lane == 0) {
+      if (group != W::kRope) {
+        load_half(group, stage, st, tma, tma_row, ok_bits, slot_of);
+        continue;
+      }
+      // The mask word of the stage: one ballot of KEYS bits per warp.
+      if (lane == 0) {
+        if constexpr (KEYS == 8) {
           asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::MASK_OFF + stage * 4 + warp),
                        "h"((unsigned short)ok_bits)
                        : "memory");
-        }
-        if (lane < 8) {
-          asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::KEY_OK_OFF + stage * W::BK + key_in_block),
-                       "h"((unsigned short)ok)
-                       : "memory");
-        }
-        __syncwarp();  // lane 0's arrival below publishes the whole warp's flags
-        if (tma) {
-          if (tid == 0) {
-            mbar_arrive_expect_tx(W::full_bar(base, stage, W::kRope), W::KPANEL);
-            tma_load_2d(st + W::ROPE_PANEL * W::KPANEL, &maps.kpe, 0, tma_row, W::full_bar(base, stage, W::kRope));
-          } else {
-            mbar_arrive(W::full_bar(base, stage, W::kRope));
-          }
-          if (lane == 0) mbar_arrive(W::full_bar(base, stage, W::kRope));  // publishes the mask
-          continue;
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int j = 4 * i + (lane >> 3), c = lane & 7, kl = warp + 4 * j;
-          const size_t slot = slot_of(j);
-          cp_async16(st + W::ROPE_PANEL * W::KPANEL + kl * 128 + ((c ^ (kl & 7)) << 4), kpe + slot * kDimKpe + c * 8,
-                     ((ok_bits >> j) & 1) ? 16 : 0);
-        }
-        mbar_arrive_on_cp_async(W::full_bar(base, stage, W::kRope));
-        if (lane == 0) mbar_arrive(W::full_bar(base, stage, W::kRope));  // publishes the mask
-      } else if (tma) {
-        // Four panels of 64 dims: dims 0-255 (left) or 256-511 (right).
-        const int panel0 = group == W::kLeft ? 0 : 4;
-        if (tid == 0) {
-          mbar_arrive_expect_tx(W::full_bar(base, stage, group), 4 * W::KPANEL);
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            tma_load_2d(st + (panel0 + i) * W::KPANEL, &maps.ckv, (panel0 + i) * 64, tma_row,
-                        W::full_bar(base, stage, group));
         } else {
-          mbar_arrive(W::full_bar(base, stage, group));
+          st_shared_u16(base + W::MASK_OFF + stage * 4 + 2 * warp, ok_bits);
         }
-      } else {
+      }
+      if (lane < KEYS) {
+        asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::KEY_OK_OFF + stage * W::BK + key_in_block),
+                     "h"((unsigned short)ok)
+                     : "memory");
+      }
+      __syncwarp();  // lane 0's arrival below publishes the whole warp's flags
+      if (tma) {
+        if (tid == 0) {
+          mbar_arrive_expect_tx(W::full_bar(base, stage, W::kRope), W::KPANEL);
+          tma_load_2d(st + W::ROPE_PANEL * W::KPANEL, &maps.kpe, 0, tma_row, W::full_bar(base, stage, W::kRope));
+        } else {
+          mbar_arrive(W::full_bar(base, stage, W::kRope));
+        }
+        if (lane == 0) mbar_arrive(W::full_bar(base, stage, W::kRope));  // publishes the mask
+        continue;
+      }
+#pragma unroll
+      for (int i = 0; i < KEYS / 4; ++i) {
+        const int j = 4 * i + (lane >> 3), c = lane & 7, kl = warp + WARPS * j;
+        const size_t slot = slot_of(j);
+        cp_async16(st + W::ROPE_PANEL * W::KPANEL + kl * 128 + ((c ^ (kl & 7)) << 4), kpe + slot * kDimKpe + c * 8,
+                   ((ok_bits >> j) & 1) ? 16 : 0);
+      }
+      mbar_arrive_on_cp_async(W::full_bar(base, stage, W::kRope));
+      if (lane == 0) mbar_arrive(W::full_bar(base, stage, W::kRope));  // publishes the mask
+    }
+  }
+  cp_async_wait_all();  // leave nothing in flight behind an exited thread
+}
+
+template <typename T>
+__device__ __forceinline__ void wide_producer(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
+                                              int hb, uint32_t base) {
+  using W = WideSm90;
+  const int tid = threadIdx.x;  // 0..127
+  const int warp = tid >> 5, lane = tid & 31;
+  const int rows = u.q_len * hb;
+  const T* ckv = static_cast<const T*>(p.ckv);
+
+  // Queries: rows r = (token r / hb, head h0 + r % hb); padding rows zero.
+  load_query_tile<T, W::ROWS, 128>(p, u, h0, hb, rows, tid,
+                                   [&](int r, int c) { return base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL); });
+  mbar_arrive_on_cp_async(W::query_bar(base));
+
+  // Keys, by all four warps; a latent half is four panels of 64 dims: dims 0-255 (left) or 256-511 (right).
+  wide_load_keys<T, 4, false>(
+      p, maps, u, base, tid,
+      [&](int group, int stage, uint32_t st, bool tma, int tma_row, uint32_t ok_bits, auto slot_of) {
+        if (tma) {
+          const int panel0 = group == W::kLeft ? 0 : 4;
+          if (tid == 0) {
+            mbar_arrive_expect_tx(W::full_bar(base, stage, group), 4 * W::KPANEL);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+              tma_load_2d(st + (panel0 + i) * W::KPANEL, &maps.ckv, (panel0 + i) * 64, tma_row,
+                          W::full_bar(base, stage, group));
+          } else {
+            mbar_arrive(W::full_bar(base, stage, group));
+          }
+          return;
+        }
         const int c = (group == W::kLeft ? 0 : 32) + lane;  // one key's 512 bytes per warp instruction
 #pragma unroll 4
         for (int j = 0; j < 8; ++j) {
@@ -249,10 +297,108 @@ __device__ __forceinline__ void wide_producer(const Problem& p, const KeyTensorM
                      ((ok_bits >> j) & 1) ? 16 : 0);
         }
         mbar_arrive_on_cp_async(W::full_bar(base, stage, group));
-      }
-    }
+      });
+}
+
+// ---- producer, fp8 cache (e4m3 ckv, kpe in T) -------------------------------------
+//
+// The MMAs read keys from shared memory in a 16-bit type, so the producer turns each fp8
+// latent half into fp16 (LatentMmaType) in its stage before it hands it over. A single
+// in-order producer cannot both keep loads in flight and convert: the consumers free a
+// stage only once the blocks up to three ahead of it are full, so a producer that waited
+// for a block's bytes before it asked for the next stage would put every load's latency
+// in series. The producer warpgroup is therefore two teams:
+//
+//   * loaders (warps 0-1, wide_load_keys): the key mask, the rope panel (kpe, already T,
+//     into its final place) and the raw e4m3 bytes of each latent half into the half's
+//     last two panels: raw dims 0-127 of key k in row k of panel 2, dims 128-255 in row k
+//     of panel 3, 16-byte chunk i at i ^ (k & 7), which is TMA's 128-byte swizzle: a whole
+//     block on one page is one TMA box per panel, other blocks are gathered by cp.async.
+//     A "raw" mbarrier per stage and half counts their landing. The loaders run ahead as
+//     far as the empty barriers let them.
+//   * converters (warps 2-3): the queries (cp.async, as they are: the consumers rescale
+//     them into fp16, wide_prepare_queries_fp8), then warp 2 + c the c-th latent half of
+//     every block: wait for its raw bytes, write it in place as fp16 in the four panels
+//     the MMAs read (exact: one cvt a pair, LatentMmaType), fence for the async proxy,
+//     arrive on the half's full barrier. A lane converts one key's row, in an order that
+//     reads every raw byte before it is overwritten, so no barrier is needed.
+template <typename T>
+__device__ __forceinline__ void wide_producer_fp8(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
+                                                  int hb, uint32_t base) {
+  using W = WideSm90;
+  const int tid = threadIdx.x;  // 0..127
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp < 2) {
+    const char* ckv = static_cast<const char*>(p.ckv);  // 512 bytes a key
+    wide_load_keys<T, 2, true>(
+        p, maps, u, base, tid,
+        [&](int group, int stage, uint32_t st, bool tma, int tma_row, uint32_t ok_bits, auto slot_of) {
+          const int half = group == W::kLeft ? 0 : 1;  // raw bytes 256 half + 128 q into panel 4 half + 2 + q
+          if (tma) {
+            if (tid == 0) {
+              mbar_arrive_expect_tx(W::raw_bar(base, stage, group), 2 * W::KPANEL);
+#pragma unroll
+              for (int q = 0; q < 2; ++q)
+                tma_load_2d(st + (4 * half + 2 + q) * W::KPANEL, &maps.ckv, 256 * half + 128 * q, tma_row,
+                            W::raw_bar(base, stage, group));
+            } else {
+              mbar_arrive(W::raw_bar(base, stage, group));
+            }
+            return;
+          }
+#pragma unroll 4
+          for (int i = 0; i < 8; ++i) {  // 16 keys x 16 raw chunks a warp
+            const int j = 2 * i + (lane >> 4), c = lane & 15, kl = warp + 2 * j;
+            const uint32_t raw = st + (4 * half + 2 + (c >> 3)) * W::KPANEL;
+            cp_async16(raw + kl * 128 + (((c & 7) ^ (kl & 7)) << 4), ckv + slot_of(j) * kDimCkv + half * 256 + c * 16,
+                       ((ok_bits >> j) & 1) ? 16 : 0);
+          }
+          mbar_arrive_on_cp_async(W::raw_bar(base, stage, group));
+        });
+    return;
   }
-  cp_async_wait_all();  // leave nothing in flight behind an exited thread
+
+  // ---- converters: the queries as they are (the consumers rescale them, wide_prepare_queries_fp8), then keys ----
+  using MT = LatentMmaType<T, kCacheFp8Ckv>;
+  const int ct = tid - 64, cw = ct >> 5;
+  const int num_blocks = (u.range_end - u.kv_begin + W::BK - 1) / W::BK;
+  load_query_tile<T, W::ROWS, W::kConverterThreads>(
+      p, u, h0, hb, u.q_len * hb, ct, [&](int r, int c) { return base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL); });
+  mbar_arrive_on_cp_async(W::query_bar(base));
+  // Converter warp cw takes latent half cw of every block in the order the consumers read them
+  // (block A: left first, block B: right first), so a block's halves are converted side by side.
+  // Lane l owns key l's row from raw bytes to fp16, which orders every overwrite after its reads
+  // without a barrier: panels 0-1 (not raw) from raw panel 2; then panel 2 (raw panel 2's row,
+  // read) from raw chunks 0-3 of panel 3; then panel 3 in place: raw chunks 4-5 into output
+  // chunks 0-3 (where raw chunks 0-3 were), then 6-7 into 4-7 (where 4-7 were).
+  const int kl = lane, sw = lane & 7;
+#pragma unroll 1
+  for (int blk = 0; blk < num_blocks; ++blk) {
+    const int stage = blk & (W::STAGES - 1), use = blk / W::STAGES;
+    const bool block_a = (blk & 1) == 0;
+    const int group = (cw == 0) == block_a ? W::kLeft : W::kRight;
+    const uint32_t row = W::stage_addr(base, stage) + (group == W::kLeft ? 0 : 4) * W::KPANEL + kl * 128;
+    const uint32_t raw2 = row + 2 * W::KPANEL, raw3 = row + 3 * W::KPANEL;  // key kl's raw rows
+    // Raw chunk i of a raw row (16 e4m3) -> output chunks oc, oc + 1 of the half (8 values each).
+    auto put = [&](uint4 v, int oc) {
+      st_shared_v4(row + (oc >> 3) * W::KPANEL + (((oc & 7) ^ sw) << 4), fp8x8_to<MT>(make_uint2(v.x, v.y)));
+      st_shared_v4(row + ((oc + 1) >> 3) * W::KPANEL + ((((oc + 1) & 7) ^ sw) << 4),
+                   fp8x8_to<MT>(make_uint2(v.z, v.w)));
+    };
+    mbar_wait(W::raw_bar(base, stage, group), use & 1);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) put(ld_shared_v4(raw2 + ((i ^ sw) << 4)), 2 * i);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) put(ld_shared_v4(raw3 + ((i ^ sw) << 4)), 16 + 2 * i);
+#pragma unroll
+    for (int i = 4; i < 8; i += 2) {
+      const uint4 v0 = ld_shared_v4(raw3 + ((i ^ sw) << 4)), v1 = ld_shared_v4(raw3 + (((i + 1) ^ sw) << 4));
+      put(v0, 16 + 2 * i);
+      put(v1, 18 + 2 * i);
+    }
+    fence_proxy_async_shared();  // the T rows reach the consumers' wgmma reads
+    mbar_arrive(W::full_bar(base, stage, group));
+  }
 }
 
 // ---- consumer stages -------------------------------------------------------------
@@ -260,7 +406,7 @@ __device__ __forceinline__ void wide_producer(const Problem& p, const KeyTensorM
 // S = Q K^T for the block in `stage`: rope panel first, then the two latent halves
 // in the order the producer refills them (block A: left first; block B: right
 // first). Async: the caller commits the group.
-template <typename T, bool BLOCK_A>
+template <typename T, typename MT, bool BLOCK_A>
 __device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], uint32_t base, int stage, int parity) {
   using W = WideSm90;
   base = opaque(base);
@@ -282,21 +428,22 @@ __device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], uint32_t
     for (int pn = p0; pn < p0 + 4; ++pn)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_64x32_ss<T>(s, sw128_desc(base + W::Q_OFF + pn * W::QPANEL + kk * 32),
+        wgmma_64x32_ss<MT>(s, sw128_desc(base + W::Q_OFF + pn * W::QPANEL + kk * 32),
                           sw128_desc(st + pn * W::KPANEL + kk * 32), 1);
   }
 }
 
-// Scales scores to base 2 and masks keys that are invalid or past the row's limit.
+// Scales scores to base 2 (scale_log2: the thread's two rows') and masks keys that are invalid
+// or past the row's limit.
 // The block's validity ballot decides whether any key needs the per-key flags.
-__device__ __forceinline__ void wide_mask(float (&s)[WideSm90::SACC], float scale_log2, uint32_t base, int stage,
-                                          int key0, const int (&limit)[2], int t4) {
+__device__ __forceinline__ void wide_mask(float (&s)[WideSm90::SACC], const float (&scale_log2)[2], uint32_t base,
+                                          int stage, int key0, const int (&limit)[2], int t4) {
   using W = WideSm90;
   const uint32_t ballot = *reinterpret_cast<const uint32_t*>(__cvta_shared_to_generic(base + W::MASK_OFF + stage * 4));
   const bool clean = ballot == 0xffffffffu && key0 + W::BK <= min(limit[0], limit[1]);
   if (clean) {
 #pragma unroll
-    for (int i = 0; i < W::SACC; ++i) s[i] *= scale_log2;
+    for (int i = 0; i < W::SACC; ++i) s[i] *= scale_log2[(i >> 1) & 1];
     return;
   }
   const unsigned char* key_ok = reinterpret_cast<const unsigned char*>(
@@ -308,7 +455,7 @@ __device__ __forceinline__ void wide_mask(float (&s)[WideSm90::SACC], float scal
     for (int e = 0; e < 4; ++e) {
       const int kl = 8 * j + 2 * t4 + (e & 1);
       const bool vis = ((ok2 >> (8 * (e & 1))) & 1) && key0 + kl < limit[e >> 1];
-      s[4 * j + e] = vis ? s[4 * j + e] * scale_log2 : -INFINITY;
+      s[4 * j + e] = vis ? s[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
     }
   }
 }
@@ -343,9 +490,10 @@ __device__ __forceinline__ float wide_alpha(float m_old, float m_new) {
 // A block's softmax step, in place: mask and scale the scores, the rows' new max m_new
 // (against the running max m_prev), alpha = the factor for what was accumulated against
 // m_prev, P = 2^(S - m_new) and the thread's partial row sums of P.
-__device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], float scale_log2, uint32_t base, int stage,
-                                             int key0, const int (&limit)[2], int t4, const float (&m_prev)[2],
-                                             float (&m_new)[2], float (&alpha)[2], float (&sum)[2]) {
+__device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], const float (&scale_log2)[2], uint32_t base,
+                                             int stage, int key0, const int (&limit)[2], int t4,
+                                             const float (&m_prev)[2], float (&m_new)[2], float (&alpha)[2],
+                                             float (&sum)[2]) {
   wide_mask(s, scale_log2, base, stage, key0, limit, t4);
   float mx[2];
   wide_row_max(s, mx);
@@ -429,9 +577,83 @@ __device__ __forceinline__ void wide_rescale(float (&o)[128], const float (&a)[2
 
 // ---- consumers -------------------------------------------------------------------
 
+// fp8 cache: the queries, as the producer staged them (T), turned in place into the types the
+// MMAs read. Row r's latent part times 2^k_r into fp16, its rope part times rope_factor 2^k_r, rounded
+// once to T; k_r brings the row's largest magnitude (latent, and rope times the factor) just under
+// 2^15, so fp16 keeps every value a bf16 query holds down to 2^-24 of that maximum at full precision
+// (smaller ones cannot move a score). scale_log2[e] is divided by 2^k_r for the thread's rows.
+// Both consumers hold the same rows (16 warp + g, + 8) and each reads all of them, so both find the
+// same k_r; each then rewrites half of the chunks, after a barrier that orders every read before the
+// first write. The caller fences and synchronises the consumers before any wgmma reads the panels.
 template <typename T, int HALF>
+__device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp, int lane, float rope_factor,
+                                                         float (&scale_log2)[2]) {
+  using W = WideSm90;
+  const int g = lane >> 2, t4 = lane & 3;
+  auto addr = [&](int r, int c) { return base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL); };
+  auto unpack = [](uint32_t w) {
+    return std::is_same_v<T, __half> ? __half22float2(*reinterpret_cast<const __half2*>(&w))
+                                     : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+  };
+  float factor[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = 16 * warp + g + 8 * e;
+    float amax_latent = 0.f, amax_rope = 0.f;
+#pragma unroll 2
+    for (int c = t4; c < kChunksPerKey; c += 4) {
+      const uint4 v = ld_shared_v4(addr(r, c));
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      float m = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack(w[i]);
+        m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+      if (c < 64) {
+        amax_latent = fmaxf(amax_latent, m);
+      } else {
+        amax_rope = fmaxf(amax_rope, m);
+      }
+    }
+    float amax = fmaxf(amax_latent, amax_rope * fabsf(rope_factor));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    int k = 0;
+    if (amax > 0.f && amax <= 3.0e38f) {  // an all-zero (padding) or non-finite row keeps k = 0
+      int ex;
+      frexpf(amax, &ex);  // amax < 2^ex
+      k = min(max(15 - ex, -100), 100);
+    }
+    factor[e] = __int_as_float((127 + k) << 23);         // 2^k
+    scale_log2[e] *= __int_as_float((127 - k) << 23);     // 2^-k
+  }
+  named_barrier_sync(W::kConsumers, W::kConsumerThreads);  // every read of the staged rows is done
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int r = 16 * warp + g + 8 * e;
+#pragma unroll 3
+    for (int j = 0; j < 9; ++j) {  // latent chunks 32 HALF + t4 + 4j, then rope chunk 64 + 4 HALF + t4
+      const bool rope = j == 8;
+      const int c = rope ? 64 + 4 * HALF + t4 : 32 * HALF + t4 + 4 * j;
+      const float f = rope ? factor[e] * rope_factor : factor[e];
+      const uint4 v = ld_shared_v4(addr(r, c));
+      uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 x = unpack(w[i]);
+        w[i] = rope ? pack2<T>(x.x * f, x.y * f) : pack2<__half>(x.x * f, x.y * f);
+      }
+      st_shared_v4(addr(r, c), make_uint4(w[0], w[1], w[2], w[3]));
+    }
+  }
+}
+
+// The latent part of S and all of P V multiply in MT (T, or fp16 with an fp8 cache: mla_fp8.cuh).
+template <typename T, int HALF, int kCache>
 __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, int h0, int hb, uint32_t base) {
   using W = WideSm90;
+  using MT = LatentMmaType<T, kCache>;
   const int tid = threadIdx.x - 128 * (1 + HALF);
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int rows = u.q_len * hb;
@@ -448,7 +670,15 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   };
 
   mbar_wait(W::query_bar(base), 0);
+  // The softmax scale in base 2 of each of the thread's rows (times an fp8 cache's s_c, and over
+  // the power of two its queries were scaled by), and the output's factor.
+  const CacheScales scales = cache_scales<kCache>(p);
+  float scale_log2[2] = {p.scale_log2 * scales.score, p.scale_log2 * scales.score};
+  if constexpr (CacheFormat<kCache>::kFp8Ckv) {
+    wide_prepare_queries_fp8<T, HALF>(base, warp, lane, scales.rope_query, scale_log2);
+  }
   fence_proxy_async_shared();  // the query panels reach wgmma's reads
+  if constexpr (CacheFormat<kCache>::kFp8Ckv) named_barrier_sync(W::kConsumers, W::kConsumerThreads);
 
   float o[128];
 #pragma unroll
@@ -469,7 +699,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   // Consumer 0's softmax of block A (scores in s) against the running max.
   auto softmax_a = [&](int stage_a, int key0) {
     fence_registers(s);
-    wide_softmax(s, p.scale_log2, base, stage_a, key0, limit, t4, m_run, a_max, a_alpha, a_sum);
+    wide_softmax(s, scale_log2, base, stage_a, key0, limit, t4, m_run, a_max, a_alpha, a_sum);
     // S and the mask are read: the rope panel and the right half go back. Every thread read
     // the key flags, so every thread's arrival publishes its reads (rope group).
     mbar_arrive(W::empty_bar(base, stage_a, W::kRope));
@@ -477,12 +707,12 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   };
   if (num_blocks > 0) {
     if constexpr (HALF == 0) {
-      wide_scores<T, true>(s, base, 0, 0);
+      wide_scores<T, MT, true>(s, base, 0, 0);
       wgmma_commit();
       wgmma_wait<0>();
       softmax_a(0, u.kv_begin);
     } else if (num_blocks > 1) {
-      wide_scores<T, false>(s, base, 1, 0);
+      wide_scores<T, MT, false>(s, base, 1, 0);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(s);
@@ -502,7 +732,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_alpha[e] + a_sum[e];
       wide_rescale(o, a_alpha);
-      wide_pack_p<T>(s, pa);
+      wide_pack_p<MT>(s, pa);
       if (t4 == 0) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
@@ -513,11 +743,11 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       wide_store_p(base + W::PA_OFF, pa, warp, lane);
       mbar_arrive(W::a_ready_bar(base));
       wgmma_fence();
-      wide_pv<T, 0>(o, pa, st_a);
+      wide_pv<MT, 0>(o, pa, st_a);
       wgmma_commit();
       // Issued on every trip (see above): past the last pair it recomputes this pair's block A,
       // whose phase has completed (no wait), and is dropped.
-      wide_scores<T, true>(s, base, has_next ? stage_a ^ 2 : stage_a, has_next ? next_parity : parity);
+      wide_scores<T, MT, true>(s, base, has_next ? stage_a ^ 2 : stage_a, has_next ? next_parity : parity);
       wgmma_commit();
       // ---- block B's probabilities from consumer 1 ----
       mbar_wait(W::b_ready_bar(base), pair & 1);
@@ -544,7 +774,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       // Issued on every trip (see above): without a block B, P = 0 times block A's rows, which
       // adds 0 to O (or NaN where PV_A already made one: a non-finite row).
       wgmma_fence();
-      wide_pv<T, 0>(o, pb, has_b ? st_b : st_a);
+      wide_pv<MT, 0>(o, pb, has_b ? st_b : st_a);
       wgmma_commit();
       // ---- the next block A's softmax while PV_B runs ----
       wgmma_wait<1>();
@@ -566,13 +796,13 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       }
       if (has_b) {
         float sum[2];
-        wide_softmax(s, p.scale_log2, base, stage_b, key0 + W::BK, limit, t4, m_a, m_b, a_b, sum);
+        wide_softmax(s, scale_log2, base, stage_b, key0 + W::BK, limit, t4, m_a, m_b, a_b, sum);
         // S_B and its mask are read: rope panel (every thread: each read flags) and left half go back
         mbar_arrive(W::empty_bar(base, stage_b, W::kRope));
         if (lane == 0) mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));
 #pragma unroll
         for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_a[e] * a_b[e] + sum[e];
-        wide_pack_p<T>(s, pb);
+        wide_pack_p<MT>(s, pb);
         wide_store_p(base + W::PB_OFF, pb, warp, lane);
       } else {
 #pragma unroll
@@ -590,21 +820,21 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       // P_A was made against m_A; this half of O now lives at m_B.
 #pragma unroll
       for (int kk = 0; kk < kWideKSteps; ++kk) {
-        pa[kk][0] = scale_pair<T>(pa[kk][0], a_b[0]);
-        pa[kk][1] = scale_pair<T>(pa[kk][1], a_b[1]);
-        pa[kk][2] = scale_pair<T>(pa[kk][2], a_b[0]);
-        pa[kk][3] = scale_pair<T>(pa[kk][3], a_b[1]);
+        pa[kk][0] = scale_pair<MT>(pa[kk][0], a_b[0]);
+        pa[kk][1] = scale_pair<MT>(pa[kk][1], a_b[1]);
+        pa[kk][2] = scale_pair<MT>(pa[kk][2], a_b[0]);
+        pa[kk][3] = scale_pair<MT>(pa[kk][3], a_b[1]);
       }
       const float a_ab[2] = {a_a[0] * a_b[0], a_a[1] * a_b[1]};
       wide_rescale(o, a_ab);
       wgmma_fence();
-      if (has_b) wide_pv<T, 1>(o, pb, st_b);
-      wide_pv<T, 1>(o, pa, st_a);
+      if (has_b) wide_pv<MT, 1>(o, pb, st_b);
+      wide_pv<MT, 1>(o, pa, st_a);
       wgmma_commit();
       // The next pair's S_B goes in behind it; issued on every trip (see above): without a next
       // block B it recomputes this pair's block A, whose phase has completed, and is dropped.
       const bool next_b = 2 * pair + 3 < num_blocks;
-      wide_scores<T, false>(s, base, next_b ? stage_b ^ 2 : stage_a, next_b ? next_parity : parity);
+      wide_scores<T, MT, false>(s, base, next_b ? stage_b ^ 2 : stage_a, next_b ? next_parity : parity);
       wgmma_commit();
       wgmma_wait<1>();
       fence_registers(o);
@@ -634,7 +864,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   for (int e = 0; e < 2; ++e) {
     if (r[e] >= rows) continue;
     const float l = *stat_ptr(W::kSum0, r[e]) + *stat_ptr(W::kSum1, r[e]);
-    store_tile_row<T, 32>(p, u, h0, hb, r[e], HALF * 256 + 2 * t4, l, m_run[e], 1.f, HALF == 0 && t4 == 0,
+    store_tile_row<T, 32>(p, u, h0, hb, r[e], HALF * 256 + 2 * t4, l, m_run[e], scales.out, HALF == 0 && t4 == 0,
                           [&](int j) { return make_float2(o[4 * j + 2 * e], o[4 * j + 2 * e + 1]); });
   }
 }
@@ -660,10 +890,12 @@ __global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kern
   const int hb = min(kRowsPerTile, p.num_heads - h0);
   const int rows = u.q_len * hb;
   if (rows > kRowsPerTile) return;  // cannot happen with q_len <= q_tile; keeps tiles in bounds
-  // The narrow body (and, for an fp8 cache, the portable wide body: the wgmma body reads keys as
-  // the queries' type only) are two warpgroups; the third hands them its registers (the bodies want
-  // more than the 168 a thread gets at entry) and leaves.
-  if (rows <= 16 || kCache != kCacheAsQuery) {
+  // The wgmma body reads keys as T: from a cache of T, or from an fp8 ckv that its producer
+  // converts (kpe in T). An fp8 kpe takes the portable wide body.
+  constexpr bool kWgmmaCache = kCache != kCacheFp8CkvKpe;
+  // The narrow body (and the portable wide body) are two warpgroups; the third hands them its
+  // registers (the bodies want more than the 168 a thread gets at entry) and leaves.
+  if (rows <= 16 || !kWgmmaCache) {
     if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
       release_registers<24>();
       return;
@@ -671,25 +903,32 @@ __global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kern
     claim_registers<232>();
     if (rows <= 16) {
       attend_unit_narrow<T, NarrowShape64x3, kCache>(p, u, h0, hb, smem);
-    } else {
+    } else if constexpr (!kWgmmaCache) {
       finish_unit(p, u);
       attend_unit_wide_portable<T, kCache>(p, u, h0, hb, smem);
     }
     return;
   }
 #ifdef JAX_MLA_HAS_WGMMA
-  if constexpr (kCache == kCacheAsQuery) {
+  if constexpr (kWgmmaCache) {
     using W = WideSm90;
+    constexpr bool kFp8 = kCache == kCacheFp8Ckv;
+    // Arrivals on the barriers the producer completes: every producer thread (cp.async or plain),
+    // plus one per producer warp on the rope group (the key mask). With an fp8 cache
+    // (wide_producer_fp8) only the 64 loader threads do that (on the rope group and on each half's
+    // raw barrier), and the 32 threads of the converting warp arrive on each half's full barrier.
+    constexpr int kLoaders = kFp8 ? 64 : 128, kLoaderWarps = kLoaders / 32;
     uint32_t base = smem_addr(smem);
     base += (1024 - (base & 1023)) & 1023;
     finish_unit(p, u);
     if (threadIdx.x == 0) {
       for (int s = 0; s < W::STAGES; ++s)
         for (int g = 0; g < 3; ++g) {
-          mbar_init(W::full_bar(base, s, g), 128 + (g == W::kRope ? 4 : 0));
+          mbar_init(W::full_bar(base, s, g), g == W::kRope ? kLoaders + kLoaderWarps : (kFp8 ? 32 : 128));
           mbar_init(W::empty_bar(base, s, g), W::empty_count(s, g));
+          if (kFp8 && g != W::kRope) mbar_init(W::raw_bar(base, s, g), kLoaders);
         }
-      mbar_init(W::query_bar(base), 128);
+      mbar_init(W::query_bar(base), kFp8 ? W::kConverterThreads : 128);
       mbar_init(W::a_ready_bar(base), 128);
       mbar_init(W::b_ready_bar(base), 128);
       mbar_init_fence();
@@ -698,13 +937,17 @@ __global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kern
     const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);  // warp-uniform, as wgmma needs
     if (wg == 0) {
       release_registers<40>();
-      wide_producer<T>(p, maps, u, h0, hb, base);
+      if constexpr (kFp8) {
+        wide_producer_fp8<T>(p, maps, u, h0, hb, base);
+      } else {
+        wide_producer<T>(p, maps, u, h0, hb, base);
+      }
     } else {
       claim_registers<232>();
       if (wg == 1) {
-        wide_consumer<T, 0>(p, u, h0, hb, base);
+        wide_consumer<T, 0, kCache>(p, u, h0, hb, base);
       } else {
-        wide_consumer<T, 1>(p, u, h0, hb, base);
+        wide_consumer<T, 1, kCache>(p, u, h0, hb, base);
       }
     }
   }

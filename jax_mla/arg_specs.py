@@ -51,7 +51,7 @@ class ArgSpec:
     padding: int = 0           # query tokens after the last request's, covered by no request
     device_kv_lens: tuple | None = None  # what the device sees, below the planned lengths
     bad_pages: bool = False    # two page ids outside the cache inside the kv range
-    split: bool = False        # plan for many small units (`split_target`): splits and merges everywhere
+    split: bool = False        # plan for many small units (`case_split_target`): splits and merges everywhere
     whole: bool = False        # one unit per request (`testing.no_split_target`): long units
     kv_dtype: str | None = None  # the latent cache's dtype when not `dtype`: "float8_e4m3fn" (kpe stays dtype)
     tags: frozenset = frozenset()
@@ -100,10 +100,10 @@ class ArgSpec:
                 f"{self.dtype}{kv}{irregular}")
 
     def plan_target(self):
-        """`split_target()` or `testing.no_split_target()` when the spec asks for one, else None
+        """`case_split_target()` or `testing.no_split_target()` when the spec asks for one, else None
         (the op's default target)."""
         from .testing import no_split_target
-        return split_target() if self.split else no_split_target() if self.whole else None
+        return case_split_target() if self.split else no_split_target() if self.whole else None
 
     def build(self, rng: np.random.Generator, *, d_ckv: int = 512, d_kpe: int = 64):
         """(batch, plan, page_table, device kv_lens, cache scales): random inputs of this spec and its
@@ -135,8 +135,9 @@ class ArgSpec:
         return batch, plan, table, kv_dev, scales
 
 
-def split_target():
-    """Splits everywhere: small chunks on a pretend 132-SM GPU (the correctness cases' target)."""
+def case_split_target():
+    """Splits everywhere: small chunks on a pretend 132-SM GPU (the correctness cases' target; coarser
+    than `testing.split_target`, whose 256 workers and 16-key chunks the op-level tests use)."""
     from .planner import PlanTarget
     return PlanTarget(num_workers=132, units_per_worker=2.0, min_chunk=64, chunk_align=32)
 

@@ -24,7 +24,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_mla import PlanTarget, plan_mla  # noqa: E402
-from jax_mla.arg_specs import arg_specs, split_target  # noqa: E402
+from jax_mla.arg_specs import arg_specs, case_split_target  # noqa: E402
 
 SCALE = 0.0723
 DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
@@ -96,7 +96,7 @@ def make(d, specs, checked=True):
         if spec.bad_pages:
             table[0, 0] = -3
             table[-1, 0] = num_pages + 7
-        target = (spec.plan_target() or split_target()) if checked else PROFILE_TARGET
+        target = (spec.plan_target() or case_split_target()) if checked else PROFILE_TARGET
         plan = plan_mla(qo, kv, num_heads=h, page_size=ps, num_tokens=t, target=target)
         code = DTYPES[dt]
         arrays = [_round(rng.standard_normal(s, dtype=np.float32), code) for s in

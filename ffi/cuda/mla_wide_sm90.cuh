@@ -396,7 +396,7 @@ __device__ __forceinline__ void wide_producer_fp8(const Problem& p, const KeyTen
       put(v0, 16 + 2 * i);
       put(v1, 18 + 2 * i);
     }
-    fence_proxy_async_shared();  // the T rows reach the consumers' wgmma reads
+    fence_proxy_async_shared();  // the fp16 rows reach the consumers' wgmma reads
     mbar_arrive(W::full_bar(base, stage, group));
   }
 }
@@ -429,7 +429,7 @@ __device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], uint32_t
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
         wgmma_64x32_ss<MT>(s, sw128_desc(base + W::Q_OFF + pn * W::QPANEL + kk * 32),
-                          sw128_desc(st + pn * W::KPANEL + kk * 32), 1);
+                           sw128_desc(st + pn * W::KPANEL + kk * 32), 1);
   }
 }
 

@@ -226,6 +226,8 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(128, 64, 1, 4096, batch=128, kv_dtype="float8_e4m3fn", tags=_tags("fp8"),
             targets=(("bf16", 1.0),)),
     ArgSpec(16, 64, 1, Uniform(1, 8192, 11), batch=256, kv_dtype="float8_e4m3fn", tags=_tags("fp8")),
+    # a wide unit that is memory-bound at bf16 (the wgmma body, its producer converting fp8 to fp16)
+    ArgSpec(64, 64, 1, 4096, batch=128, kv_dtype="float8_e4m3fn", tags=_tags("fp8")),
     ArgSpec(16, 64, 1, 131072, batch=1, kv_dtype="float8_e4m3fn", tags=_tags("fp8")),
 )
 

@@ -220,18 +220,12 @@ __device__ __forceinline__ void wide_load_keys(const Problem& p, const KeyTensor
       // The mask word of the stage: one ballot of KEYS bits per warp.
       if (lane == 0) {
         if constexpr (KEYS == 8) {
-          asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::MASK_OFF + stage * 4 + warp),
-                       "h"((unsigned short)ok_bits)
-                       : "memory");
+          st_shared_u8(base + W::MASK_OFF + stage * 4 + warp, ok_bits);
         } else {
           st_shared_u16(base + W::MASK_OFF + stage * 4 + 2 * warp, ok_bits);
         }
       }
-      if (lane < KEYS) {
-        asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(base + W::KEY_OK_OFF + stage * W::BK + key_in_block),
-                     "h"((unsigned short)ok)
-                     : "memory");
-      }
+      if (lane < KEYS) st_shared_u8(base + W::KEY_OK_OFF + stage * W::BK + key_in_block, ok);
       __syncwarp();  // lane 0's arrival below publishes the whole warp's flags
       if (tma) {
         if (tid == 0) {
@@ -543,16 +537,9 @@ __device__ __forceinline__ void wide_load_p(uint32_t buf, uint32_t (&pa)[kWideKS
 }
 
 template <typename T>
-__device__ __forceinline__ uint32_t scale_pair(uint32_t v, float a);
-template <>
-__device__ __forceinline__ uint32_t scale_pair<__nv_bfloat16>(uint32_t v, float a) {
-  const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-  return pack2<__nv_bfloat16>(f.x * a, f.y * a);
-}
-template <>
-__device__ __forceinline__ uint32_t scale_pair<__half>(uint32_t v, float a) {
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
-  return pack2<__half>(f.x * a, f.y * a);
+__device__ __forceinline__ uint32_t scale_pair(uint32_t v, float a) {
+  const float2 f = unpack2<T>(v);
+  return pack2<T>(f.x * a, f.y * a);
 }
 
 // O[:, 256 HALF : +256] += P V for the keys of `stage` (async, not committed).
@@ -591,10 +578,6 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
   using W = WideSm90;
   const int g = lane >> 2, t4 = lane & 3;
   auto addr = [&](int r, int c) { return base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL); };
-  auto unpack = [](uint32_t w) {
-    return std::is_same_v<T, __half> ? __half22float2(*reinterpret_cast<const __half2*>(&w))
-                                     : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
-  };
   float factor[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -607,7 +590,7 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
       float m = 0.f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack(w[i]);
+        const float2 f = unpack2<T>(w[i]);
         m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
       }
       if (c < 64) {
@@ -641,7 +624,7 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
       uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float2 x = unpack(w[i]);
+        const float2 x = unpack2<T>(w[i]);
         w[i] = rope ? pack2<T>(x.x * f, x.y * f) : pack2<__half>(x.x * f, x.y * f);
       }
       st_shared_v4(addr(r, c), make_uint4(w[0], w[1], w[2], w[3]));

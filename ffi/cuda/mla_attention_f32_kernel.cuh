@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads) mla_attention_f32_kernel(const Probl
 #pragma unroll
     for (int k = 0; k < 16; ++k) o[k] = 0.f;
     float m = -INFINITY, l = 0.f;
-    const int limit = min(u.kv_stop, visible_keys(u, i));
+    const int limit = row_key_limit(u, r, rows, hb);
     for (int key = u.kv_begin; key < limit; ++key) {
       const int page = __ldg(pt_row + (key >> p.log2_page_size));
       if (page < 0 || page >= p.num_pages) continue;  // skipped page: its keys are masked

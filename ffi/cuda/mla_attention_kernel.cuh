@@ -151,7 +151,7 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int r = r_s[e];
-    row_limit[e] = r < rows ? min(u.kv_stop, visible_keys(u, r / hb)) : INT_MIN;
+    row_limit[e] = row_key_limit(u, r, rows, hb);
   }
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};
@@ -287,16 +287,7 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
 
     // ---- O = alpha * O + P V over this warp's 64 columns ----
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      const float a0 = alpha_s[mt * 16 + g], a1 = alpha_s[mt * 16 + g + 8];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        o[mt][nt][0] *= a0;
-        o[mt][nt][1] *= a0;
-        o[mt][nt][2] *= a1;
-        o[mt][nt][3] *= a1;
-      }
-    }
+    for (int mt = 0; mt < MT; ++mt) rescale_rows(o[mt], alpha_s[mt * 16 + g], alpha_s[mt * 16 + g + 8]);
     // V rows: keys ks*16 + a_row, columns warp*64 + np*16 + a_col.
     const uint32_t v_lane = s_k + a_row * kRowBytes + (warp * 64 + a_col) * 2;
 #pragma unroll

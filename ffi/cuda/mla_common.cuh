@@ -110,6 +110,26 @@ __device__ __forceinline__ int visible_keys(const Unit& u, int i) {
   return (int)min((long long)u.kv_len, max(0LL, v));
 }
 
+// One past the last key row r of a tile sees (rows r = (token r / hb, head r % hb), `rows` of
+// them live): the token's causal limit within the split; INT_MIN for a padding row, which
+// then masks every key.
+__device__ __forceinline__ int row_key_limit(const Unit& u, int r, int rows, int hb) {
+  return r < rows ? min(u.kv_stop, visible_keys(u, r / hb)) : INT_MIN;
+}
+
+// O = alpha O on an accumulator tile in the m16n8 layout that mma.sync and wgmma share: each
+// group of four holds two columns of row g (scaled by a_lo) and the same two of row g + 8 (a_hi).
+template <int N>
+__device__ __forceinline__ void rescale_rows(float (&o)[N][4], float a_lo, float a_hi) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    o[j][0] *= a_lo;
+    o[j][1] *= a_lo;
+    o[j][2] *= a_hi;
+    o[j][3] *= a_hi;
+  }
+}
+
 // A plan row by its named columns (plan_layout.h), read as 16-byte loads.
 template <int kCols>
 struct PlanRow {

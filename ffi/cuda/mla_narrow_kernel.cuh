@@ -154,7 +154,7 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     const int r = 2 * warp + rr;
-    row_limit[rr] = r < rows ? min(u.kv_stop, visible_keys(u, r / hb)) : INT_MIN;
+    row_limit[rr] = row_key_limit(u, r, rows, hb);
   }
 
   // PV: columns 64w .. 64w+63, all 16 rows.
@@ -272,14 +272,7 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
 
     // ---- O = alpha O + P V over this warp's 64 columns ----
     {
-      const float a0 = alpha_s[g], a1 = alpha_s[g + 8];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        o[nt][0] *= a0;
-        o[nt][1] *= a0;
-        o[nt][2] *= a1;
-        o[nt][3] *= a1;
-      }
+      rescale_rows(o, alpha_s[g], alpha_s[g + 8]);
       // V rows (keys) ks*16 + a_row; columns 64w + 16 np + 8 a_chunk, i.e. chunk 8w + 2np + a_chunk.
       const uint32_t v_row = s_k + a_row * kNarrowRowBytes;
 #pragma unroll

@@ -552,14 +552,9 @@ __device__ __forceinline__ void wide_pv(float (&o)[128], const uint32_t (&pa)[kW
     wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_mn_desc(stage_addr + HALF * 4 * W::KPANEL + kk * 2048, W::KPANEL), 1);
 }
 
+// O (128 floats a thread: 32 groups of the m16n8 layout) times a row's factor.
 __device__ __forceinline__ void wide_rescale(float (&o)[128], const float (&a)[2]) {
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    o[4 * j + 0] *= a[0];
-    o[4 * j + 1] *= a[0];
-    o[4 * j + 2] *= a[1];
-    o[4 * j + 3] *= a[1];
-  }
+  rescale_rows(*reinterpret_cast<float(*)[32][4]>(&o), a[0], a[1]);
 }
 
 // ---- consumers -------------------------------------------------------------------
@@ -643,7 +638,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   const int r[2] = {16 * warp + g, 16 * warp + g + 8};
   int limit[2];
 #pragma unroll
-  for (int e = 0; e < 2; ++e) limit[e] = r[e] < rows ? min(u.kv_stop, visible_keys(u, r[e] / hb)) : INT_MIN;
+  for (int e = 0; e < 2; ++e) limit[e] = row_key_limit(u, r[e], rows, hb);
   // Broadcast from lane 0: the compiler then knows the loop and `has_b` are
   // warp-uniform, which wgmma (issued inside them) needs to stay asynchronous.
   const int num_blocks = __shfl_sync(0xffffffffu, (u.range_end - u.kv_begin + W::BK - 1) / W::BK, 0);

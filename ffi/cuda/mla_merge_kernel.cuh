@@ -1,16 +1,18 @@
 // Second launch of every call: combines split partials by LSE and writes zeros
 // (LSE -inf) for the padding tokens that no work unit covers.
 //
-// A merge task is (merge row, token, head, one part of the 512 columns). One
-// block takes a task at a time: its 8 warps share the splits (warp w reads
-// splits w, w+8, ...), each lane one float4 per 128 columns of the part, and a
-// warp issues the loads of several splits before any arithmetic waits on
-// them. A row of many splits (one long request spread over the GPU) is cut
-// into four parts of 128 columns with eight splits in flight per warp, so 64
-// splits cost one round trip and the row spreads over 4x the SMs; a row of a
-// few splits into two parts of 256 columns (fewer tasks, each one round trip).
-// The warps meet once in shared memory, where thread c finishes column c of
-// the part. Tasks of all merge rows are numbered by a warp-wide prefix sum over
+// Two kinds of merge task, by the row's split count:
+//   * a row of many splits (> kMergeManySplits: one long request spread over the
+//     GPU): (token, head, one of four parts of 128 columns). The block's 8 warps
+//     share the splits (warp w reads splits w, w+8, ...), each lane one float4 of
+//     the part per split, eight splits in flight per warp, so 64 splits cost one
+//     round trip; the warps meet once in shared memory, where thread c finishes
+//     column c of the part.
+//   * a row of a few splits (a batch cut into a few units per request): (token,
+//     eight heads). Warp w merges head 8 t + w alone over all 512 columns (a lane
+//     four float4 per split, four splits in flight), with no shared memory and no
+//     block barrier: one round trip, and a block finishes eight rows at once.
+// Tasks of all merge rows are numbered by a warp-wide prefix sum over
 // the merge table (each warp does the same scan, so no barrier is needed to
 // agree on it) and dealt round-robin over a grid of a few blocks per SM: the
 // merge table is bucketed (mostly padding), and this keeps the launch the same
@@ -23,24 +25,27 @@
 namespace jax_mla {
 namespace cuda {
 
-constexpr int kMergeManySplits = 16;  // rows with more splits take four column parts
+constexpr int kMergeManySplits = 16;  // rows with more splits share a block per column part
 
-__device__ constexpr int merge_parts(int splits) { return splits > kMergeManySplits ? 4 : 2; }
+// Tasks of one token of a merge row: 4 column parts per head, or one per group of kWarps heads.
+__device__ __forceinline__ int merge_tasks_per_token(int splits, int heads) {
+  return splits > kMergeManySplits ? 4 * heads : (heads + kWarps - 1) / kWarps;
+}
 
 struct MergeScratch {
   float m[kWarps];
   float s[kWarps];
-  float acc[kWarps][kDimCkv / 2];  // partial sums of the (at most 256) columns of a part
+  float acc[kWarps][kDimCkv / 4];  // partial sums of the 128 columns of a part
   int red[kWarps];
 };
 
 // out[token, head, columns of part] = sum_j w_j o_j / sum_j w_j, w_j = exp(lse_j - max).
-template <typename T, int PARTS>
+template <typename T>
 __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, int token, int base_row, int q_len,
                                            int splits, int head, int part) {
-  constexpr int COLS = kDimCkv / PARTS;  // 256 or 128
-  constexpr int V = COLS / 128;          // float4 per lane per split
-  constexpr int U = PARTS == 4 ? 8 : 4;  // splits in flight per warp
+  constexpr int COLS = kDimCkv / 4;  // a part
+  constexpr int V = COLS / 128;      // float4 per lane per split
+  constexpr int U = 8;               // splits in flight per warp
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int col_base = part * COLS;
   float m = -INFINITY, s = 0.f;
@@ -123,6 +128,75 @@ __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, i
   __syncthreads();  // scratch reused by the next task
 }
 
+// One warp merges (token, head) over all 512 columns: lane l owns columns 4 l + 128 v.
+template <typename T>
+__device__ __forceinline__ void merge_head_warp(const Problem& p, int token, int base_row, int q_len, int splits,
+                                                int head) {
+  constexpr int U = 4;  // splits in flight
+  const int lane = threadIdx.x & 31;
+  float m = -INFINITY, s = 0.f;
+  bool nan = false;  // a split's row is NaN (a NaN score): the merged row is NaN
+  float4 acc[4];
+#pragma unroll
+  for (int v = 0; v < 4; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int j0 = 0; j0 < splits; j0 += U) {
+    float lj[U];
+    float4 oj[U][4];
+#pragma unroll
+    for (int k = 0; k < U; ++k) {  // issue every load first
+      const int j = j0 + k;
+      lj[k] = -INFINITY;
+#pragma unroll
+      for (int v = 0; v < 4; ++v) oj[k][v] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (j < splits) {
+        const size_t row = ((size_t)base_row + (size_t)j * q_len) * p.num_heads + head;
+        const float* src = p.partial_o + row * kDimCkv + lane * 4;
+        lj[k] = p.partial_lse[row];
+#pragma unroll
+        for (int v = 0; v < 4; ++v) oj[k][v] = *reinterpret_cast<const float4*>(src + 128 * v);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      if (lj[k] == -INFINITY) continue;  // an empty split adds nothing
+      if (lj[k] != lj[k]) {
+        nan = true;
+        continue;
+      }
+      if (lj[k] > m) {
+        const float r = m == -INFINITY ? 0.f : __expf(m - lj[k]);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          acc[v].x *= r; acc[v].y *= r; acc[v].z *= r; acc[v].w *= r;
+        }
+        s *= r;
+        m = lj[k];
+      }
+      const float w = __expf(lj[k] - m);
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        acc[v].x += w * oj[k][v].x; acc[v].y += w * oj[k][v].y;
+        acc[v].z += w * oj[k][v].z; acc[v].w += w * oj[k][v].w;
+      }
+      s += w;
+    }
+  }
+  const size_t row = (size_t)token * p.num_heads + head;
+  const float inv = s > 0.f ? 1.f / s : 0.f;
+  T* out = static_cast<T*>(p.out) + row * kDimCkv + lane * 4;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    const float4 o = nan ? make_float4(NAN, NAN, NAN, NAN)
+                         : make_float4(acc[v].x * inv, acc[v].y * inv, acc[v].z * inv, acc[v].w * inv);
+    if constexpr (sizeof(T) == 2) {
+      *reinterpret_cast<uint2*>(out + 128 * v) = make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
+    } else {
+      *reinterpret_cast<float4*>(out + 128 * v) = o;
+    }
+  }
+  if (lane == 0) p.lse[row] = nan ? NAN : s > 0.f ? m + __logf(s) : -INFINITY;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
   __shared__ MergeScratch sh;
@@ -160,8 +234,9 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
   long long task_base = 0;
   for (int m0 = 0; m0 < p.num_merge; m0 += 32) {
     const MergeRow mr = m0 == 0 ? mr_first : merge_rows(m0);
-    const long long mine =
-        merge_row_ok(p, mr) ? (long long)mr[kMergeQLen] * p.num_heads * merge_parts(mr[kMergeNumSplits]) : 0;
+    const long long mine = merge_row_ok(p, mr) ? (long long)mr[kMergeQLen] *
+                                                     merge_tasks_per_token(mr[kMergeNumSplits], p.num_heads)
+                                               : 0;
     long long incl = mine;  // inclusive prefix over the lanes
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
@@ -180,16 +255,15 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
       const int q_len = __shfl_sync(0xffffffffu, mr[kMergeQLen], src);
       const int base = __shfl_sync(0xffffffffu, mr[kMergePartialRow], src);
       const int splits = __shfl_sync(0xffffffffu, mr[kMergeNumSplits], src);
-      const int parts = merge_parts(splits);
+      const int per_token = merge_tasks_per_token(splits, p.num_heads);
       const int in_row = (int)(local - start);
-      const int i = in_row / (p.num_heads * parts);
-      const int rem = in_row - i * (p.num_heads * parts);
-      const int head = rem / parts;
-      const int part = rem - head * parts;
-      if (parts == 4) {
-        merge_task<T, 4>(p, sh, q_start + i, base + i, q_len, splits, head, part);
+      const int i = in_row / per_token;
+      const int rem = in_row - i * per_token;
+      if (splits > kMergeManySplits) {
+        merge_task<T>(p, sh, q_start + i, base + i, q_len, splits, rem >> 2, rem & 3);
       } else {
-        merge_task<T, 2>(p, sh, q_start + i, base + i, q_len, splits, head, part);
+        const int head = rem * kWarps + (tid >> 5);
+        if (head < p.num_heads) merge_head_warp<T>(p, q_start + i, base + i, q_len, splits, head);
       }
     }
     task_base += total;

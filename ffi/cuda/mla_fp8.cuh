@@ -122,16 +122,14 @@ __device__ __forceinline__ void scale_rope_queries(RowChunkAddr chunk, int rows,
   if constexpr (CacheFormat<kCache>::kFp8Ckv) {
     for (int idx = threadIdx.x; idx < rows * 8; idx += kThreads) {
       const uint32_t addr = chunk(idx >> 3, 64 + (idx & 7));
-      uint4 v;
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+      uint4 v = ld_shared_v4(addr);
       uint32_t* w = &v.x;
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const T* pair = reinterpret_cast<const T*>(&w[k]);
         w[k] = pack2<T>(static_cast<float>(pair[0]) * factor, static_cast<float>(pair[1]) * factor);
       }
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-                   : "memory");
+      st_shared_v4(addr, v);
     }
     __syncthreads();
   }
@@ -151,17 +149,10 @@ __device__ __forceinline__ void expand_fp8_stage(RowChunkAddr chunk) {
     constexpr int LATE = (PER_ROUND + kThreads - 1) / kThreads;
     const int tid = threadIdx.x;
     auto source = [&](int key, int j) {  // raw bytes 8j .. 8j+7 of the row
-      uint2 v;
-      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
-                   : "=r"(v.x), "=r"(v.y)
-                   : "r"(chunk(key, N + (j >> 1)) + 8 * (j & 1)));
-      return v;
+      return ld_shared_v2(chunk(key, N + (j >> 1)) + 8 * (j & 1));
     };
     auto store = [&](int key, int j, uint2 raw) {
-      const uint4 v = fp8x8_to<T>(raw);
-      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(chunk(key, j)), "r"(v.x), "r"(v.y), "r"(v.z),
-                   "r"(v.w)
-                   : "memory");
+      st_shared_v4(chunk(key, j), fp8x8_to<T>(raw));
     };
     // Round 1: output chunks 0 .. N-1 (raw chunks N .. N + N/2 - 1).
 #pragma unroll 2

@@ -39,32 +39,39 @@ struct MergeScratch {
   int red[kWarps];
 };
 
-// out[token, head, columns of part] = sum_j w_j o_j / sum_j w_j, w_j = exp(lse_j - max).
-template <typename T>
-__device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, int token, int base_row, int q_len,
-                                           int splits, int head, int part) {
-  constexpr int COLS = kDimCkv / 4;  // a part
-  constexpr int V = COLS / 128;      // float4 per lane per split
-  constexpr int U = 8;               // splits in flight per warp
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int col_base = part * COLS;
+// A warp's share of one merge: splits first, first + stride, ... of (token row base_row, head), the
+// lane's columns col0 + 4 lane + 128 v (v < V), with the loads of U splits issued before any arithmetic
+// waits on them. Returns the running max m of the splits' LSEs, the sum s of exp(lse_j - m) and the
+// column sums acc of exp(lse_j - m) o_j; an empty split (LSE -inf) adds nothing, a NaN one sets nan.
+template <int V>
+struct MergeSums {
   float m = -INFINITY, s = 0.f;
   bool nan = false;  // a split's row is NaN (a NaN score): the merged row is NaN
   float4 acc[V];
+};
+template <int V, int U>
+__device__ __forceinline__ MergeSums<V> merge_splits(const Problem& p, int base_row, int q_len, int splits, int head,
+                                                     int col0, int first, int stride) {
+  const int lane = threadIdx.x & 31;
+  MergeSums<V> r;
+  float& m = r.m;
+  float& s = r.s;
+  bool& nan = r.nan;
+  float4 (&acc)[V] = r.acc;
 #pragma unroll
   for (int v = 0; v < V; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int j0 = warp; j0 < splits; j0 += kWarps * U) {
+  for (int j0 = first; j0 < splits; j0 += stride * U) {
     float lj[U];
     float4 oj[U][V];
 #pragma unroll
     for (int k = 0; k < U; ++k) {  // issue every load first
-      const int j = j0 + kWarps * k;
+      const int j = j0 + stride * k;
       lj[k] = -INFINITY;
 #pragma unroll
       for (int v = 0; v < V; ++v) oj[k][v] = make_float4(0.f, 0.f, 0.f, 0.f);
       if (j < splits) {
         const size_t row = ((size_t)base_row + (size_t)j * q_len) * p.num_heads + head;
-        const float* src = p.partial_o + row * kDimCkv + col_base + lane * 4;
+        const float* src = p.partial_o + row * kDimCkv + col0 + lane * 4;
         lj[k] = p.partial_lse[row];
 #pragma unroll
         for (int v = 0; v < V; ++v) oj[k][v] = *reinterpret_cast<const float4*>(src + 128 * v);
@@ -78,12 +85,12 @@ __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, i
         continue;
       }
       if (lj[k] > m) {
-        const float r = m == -INFINITY ? 0.f : __expf(m - lj[k]);
+        const float c = m == -INFINITY ? 0.f : __expf(m - lj[k]);
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-          acc[v].x *= r; acc[v].y *= r; acc[v].z *= r; acc[v].w *= r;
+          acc[v].x *= c; acc[v].y *= c; acc[v].z *= c; acc[v].w *= c;
         }
-        s *= r;
+        s *= c;
         m = lj[k];
       }
       const float w = __expf(lj[k] - m);
@@ -95,12 +102,25 @@ __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, i
       s += w;
     }
   }
+  return r;
+}
+
+// out[token, head, columns of part] = sum_j w_j o_j / sum_j w_j, w_j = exp(lse_j - max).
+template <typename T>
+__device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, int token, int base_row, int q_len,
+                                           int splits, int head, int part) {
+  constexpr int COLS = kDimCkv / 4;  // a part
+  constexpr int V = COLS / 128;      // float4 per lane per split
+  constexpr int U = 8;               // splits in flight per warp
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int col_base = part * COLS;
+  const MergeSums<V> r = merge_splits<V, U>(p, base_row, q_len, splits, head, col_base, warp, kWarps);
   if (lane == 0) {
-    sh.m[warp] = nan ? NAN : m;
-    sh.s[warp] = s;
+    sh.m[warp] = r.nan ? NAN : r.m;
+    sh.s[warp] = r.s;
   }
 #pragma unroll
-  for (int v = 0; v < V; ++v) *reinterpret_cast<float4*>(&sh.acc[warp][128 * v + lane * 4]) = acc[v];
+  for (int v = 0; v < V; ++v) *reinterpret_cast<float4*>(&sh.acc[warp][128 * v + lane * 4]) = r.acc[v];
   __syncthreads();
   float mx = -INFINITY;
   bool any_nan = false;
@@ -132,69 +152,22 @@ __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, i
 template <typename T>
 __device__ __forceinline__ void merge_head_warp(const Problem& p, int token, int base_row, int q_len, int splits,
                                                 int head) {
-  constexpr int U = 4;  // splits in flight
   const int lane = threadIdx.x & 31;
-  float m = -INFINITY, s = 0.f;
-  bool nan = false;  // a split's row is NaN (a NaN score): the merged row is NaN
-  float4 acc[4];
-#pragma unroll
-  for (int v = 0; v < 4; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int j0 = 0; j0 < splits; j0 += U) {
-    float lj[U];
-    float4 oj[U][4];
-#pragma unroll
-    for (int k = 0; k < U; ++k) {  // issue every load first
-      const int j = j0 + k;
-      lj[k] = -INFINITY;
-#pragma unroll
-      for (int v = 0; v < 4; ++v) oj[k][v] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (j < splits) {
-        const size_t row = ((size_t)base_row + (size_t)j * q_len) * p.num_heads + head;
-        const float* src = p.partial_o + row * kDimCkv + lane * 4;
-        lj[k] = p.partial_lse[row];
-#pragma unroll
-        for (int v = 0; v < 4; ++v) oj[k][v] = *reinterpret_cast<const float4*>(src + 128 * v);
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < U; ++k) {
-      if (lj[k] == -INFINITY) continue;  // an empty split adds nothing
-      if (lj[k] != lj[k]) {
-        nan = true;
-        continue;
-      }
-      if (lj[k] > m) {
-        const float r = m == -INFINITY ? 0.f : __expf(m - lj[k]);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          acc[v].x *= r; acc[v].y *= r; acc[v].z *= r; acc[v].w *= r;
-        }
-        s *= r;
-        m = lj[k];
-      }
-      const float w = __expf(lj[k] - m);
-#pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        acc[v].x += w * oj[k][v].x; acc[v].y += w * oj[k][v].y;
-        acc[v].z += w * oj[k][v].z; acc[v].w += w * oj[k][v].w;
-      }
-      s += w;
-    }
-  }
+  const MergeSums<4> r = merge_splits<4, 4>(p, base_row, q_len, splits, head, 0, 0, 1);  // four splits in flight
   const size_t row = (size_t)token * p.num_heads + head;
-  const float inv = s > 0.f ? 1.f / s : 0.f;
+  const float inv = r.s > 0.f ? 1.f / r.s : 0.f;
   T* out = static_cast<T*>(p.out) + row * kDimCkv + lane * 4;
 #pragma unroll
   for (int v = 0; v < 4; ++v) {
-    const float4 o = nan ? make_float4(NAN, NAN, NAN, NAN)
-                         : make_float4(acc[v].x * inv, acc[v].y * inv, acc[v].z * inv, acc[v].w * inv);
+    const float4 o = r.nan ? make_float4(NAN, NAN, NAN, NAN)
+                           : make_float4(r.acc[v].x * inv, r.acc[v].y * inv, r.acc[v].z * inv, r.acc[v].w * inv);
     if constexpr (sizeof(T) == 2) {
       *reinterpret_cast<uint2*>(out + 128 * v) = make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
     } else {
       *reinterpret_cast<float4*>(out + 128 * v) = o;
     }
   }
-  if (lane == 0) p.lse[row] = nan ? NAN : s > 0.f ? m + __logf(s) : -INFINITY;
+  if (lane == 0) p.lse[row] = r.nan ? NAN : r.s > 0.f ? r.m + __logf(r.s) : -INFINITY;
 }
 
 template <typename T>

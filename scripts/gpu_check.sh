@@ -142,6 +142,11 @@ if has timing && [ $built -eq 0 ]; then
   JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing /tmp/mla_timing > "$LOGS/timing_cases.log" 2>&1
   timeout 240 build/gpu/sanitize_harness --time /tmp/mla_timing/time*.bin 2>&1 | tee "$LOGS/timing.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if [ -n "${TIMING_L2:-}" ]; then  # the same plans with the keys in L2 (cases.py timing --l2)
+    JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing /tmp/mla_timing_l2 --l2 > /dev/null 2>&1
+    timeout 240 build/gpu/sanitize_harness --time /tmp/mla_timing_l2/time*.bin 2>&1 | tee "$LOGS/timing_l2.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
 fi
 
 [ -n "$fi_pid" ] && { wait $fi_pid; tail -4 "$LOGS/flashinfer_setup.log"; }

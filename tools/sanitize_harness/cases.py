@@ -5,6 +5,7 @@ compute-sanitizer runs, and the check of its outputs against NumPy.
     build/gpu/sanitize_harness DIR/case*.bin             # (under compute-sanitizer)
     python3 tools/sanitize_harness/cases.py check DIR    # compares DIR/case*.bin.out
     python3 tools/sanitize_harness/cases.py timing DIR   # plans of the `timing` and `fp8` shapes (--time)
+    python3 tools/sanitize_harness/cases.py timing DIR --l2  # ... with every page id drawn from 32 pages
     python3 tools/sanitize_harness/cases.py profile DIR  # the `profile` shapes (ncu)
 
 Cases are the `small` shapes of jax_mla/arg_specs.py: varlen batches with splits, page sizes 1 to
@@ -59,7 +60,13 @@ def _write_case(path, header, float_arrays, int_arrays):
             f.write(np.ascontiguousarray(a, np.int32).tobytes())
 
 
-def make_timing(d):
+L2_PROBE_PAGES = 32  # timing --l2: the pages every page id is drawn from (their keys stay in L2)
+
+
+def make_timing(d, l2_probe=False):
+    """Timing cases (no data: the driver draws it on the device). `l2_probe`: the same plans with every
+    page id drawn from L2_PROBE_PAGES pages, so the keys come from L2: how fast a body runs when memory
+    latency and bandwidth are taken away (ffi/cuda/NOTES.md uses it to tell memory-bound from not)."""
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(5)
     for k, spec in enumerate(arg_specs("timing") + arg_specs("fp8")):  # fp8: e4m3 ckv (bf16 queries, kpe)
@@ -67,11 +74,13 @@ def make_timing(d):
         qo, kv = spec.lengths()
         per = int(-(-kv.max() // ps))
         table = rng.permutation(b * per).astype(np.int32).reshape(b, per)
+        if l2_probe:
+            table = rng.integers(0, min(L2_PROBE_PAGES, b * per), (b, per)).astype(np.int32)
         plan = plan_mla(qo, kv, num_heads=h, page_size=ps, max_pages_per_request=per, target=TIMING_TARGET)
         cache = 1 if spec.kv_dtype == "float8_e4m3fn" else 0
-        header = (0x4D4C4131, 0, b, h, b * per, ps, b, per, b, plan.work.shape[0], plan.merge.shape[0],
+        header = (0x4D4C4131, 0, int(qo.sum()), h, b * per, ps, b, per, b, plan.work.shape[0], plan.merge.shape[0],
                   plan.num_partial_rows, 1, cache)  # word 12 = 1: no data arrays; 13: the cache kind
-        kind = "_fp8" if cache else ""
+        kind = ("_fp8" if cache else "") + ("_L2" if l2_probe else "")
         _write_case(os.path.join(d, f"time{k}_{b}x{int(kv.max())}_h{h}_ps{ps}{kind}.bin"), header, (),
                     (table, kv.astype(np.int32), plan.work, plan.merge))
         print(f"time{k}: {spec.name}: {plan.describe()}")
@@ -169,7 +178,7 @@ def check(d):
 if __name__ == "__main__":
     cmd, d = sys.argv[1], sys.argv[2]
     if cmd == "timing":
-        sys.exit(make_timing(d))
+        sys.exit(make_timing(d, l2_probe="--l2" in sys.argv[3:]))
     if cmd == "profile":
         sys.exit(make(d, arg_specs("profile"), checked=False))
     if cmd == "make":

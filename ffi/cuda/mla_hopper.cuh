@@ -150,7 +150,6 @@ __device__ __forceinline__ void claim_registers() {
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
 #ifdef JAX_MLA_HAS_WGMMA

@@ -139,14 +139,13 @@ if has timing && [ $built -eq 0 ]; then
   # The target shapes through the standalone driver: device time per call of the op, of each of its
   # kernels alone and with other merge grids, CUDA graphs and events (no JAX).
   note "driver timing"
-  JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing /tmp/mla_timing > "$LOGS/timing_cases.log" 2>&1
-  timeout 240 build/gpu/sanitize_harness --time /tmp/mla_timing/time*.bin 2>&1 | tee "$LOGS/timing.log"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  if [ -n "${TIMING_L2:-}" ]; then  # the same plans with the keys in L2 (cases.py timing --l2)
-    JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing /tmp/mla_timing_l2 --l2 > /dev/null 2>&1
-    timeout 240 build/gpu/sanitize_harness --time /tmp/mla_timing_l2/time*.bin 2>&1 | tee "$LOGS/timing_l2.log"
+  # TIMING_L2=1: the same plans again with the keys in L2 (cases.py timing --l2).
+  for l2 in "" ${TIMING_L2:+_l2}; do
+    JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing /tmp/mla_timing$l2 ${l2:+--l2} \
+      > "$LOGS/timing${l2}_cases.log" 2>&1
+    timeout 240 build/gpu/sanitize_harness --time /tmp/mla_timing$l2/time*.bin 2>&1 | tee "$LOGS/timing$l2.log"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  fi
+  done
 fi
 
 [ -n "$fi_pid" ] && { wait $fi_pid; tail -4 "$LOGS/flashinfer_setup.log"; }

@@ -42,11 +42,16 @@
 //
 //     The signals are mbarriers (one phase per pair, every thread of the
 //     sending consumer arrives), which also order the reuse of the P and
-//     statistics buffers one pair later. PV is wgmma m64n256k16 with P from
-//     registers and V read straight from the key stage (the latent rows,
-//     MN-major). The running max is shared through shared memory, so both
-//     halves of every row stay on one scale; the row sums are kept per consumer
-//     and added in the epilogue.
+//     statistics buffers one pair later. A signal goes out before its sender
+//     rescales O, which only the sender needs.
+//     PV is wgmma m64n256k16 with P from registers and V read straight from the
+//     key stage (the latent rows, MN-major). The running max is shared through
+//     shared memory, so both halves of every row stay on one scale; the row sums
+//     are kept per consumer and added in the epilogue. The max a row's P is
+//     taken against moves only when a block's scores pass it by more than
+//     kLazyMaxLog2 (P then stays at most 2^kLazyMaxLog2): past a row's first
+//     blocks its factors are exactly 1, and a warp whose rows all have factor 1
+//     skips the rescale of its 128 accumulators.
 //
 // ffi/cuda/NOTES.md has what each version of this body measured.
 //
@@ -481,9 +486,15 @@ __device__ __forceinline__ float wide_alpha(float m_old, float m_new) {
   return fast_exp2(m_old - (m_new == -INFINITY ? 0.f : m_new));
 }
 
-// A block's softmax step, in place: mask and scale the scores, the rows' new max m_new
-// (against the running max m_prev), alpha = the factor for what was accumulated against
-// m_prev, P = 2^(S - m_new) and the thread's partial row sums of P.
+// A row's reference max moves only when a block's scores exceed it by more than this (base 2):
+// P = 2^(S - m) then stays at most 2^8, far inside the range of P's 16-bit type and of the float
+// sums, while the rows' factors are exactly 1 on most blocks, so their rescales are skipped.
+constexpr float kLazyMaxLog2 = 8.f;
+
+// A block's softmax step, in place: mask and scale the scores, the rows' new reference max m_new
+// (m_prev, unless the block's max exceeds it by more than kLazyMaxLog2, or nothing was visible
+// before), alpha = the factor for what was accumulated against m_prev (exactly 1 when the max
+// stays), P = 2^(S - m_new) and the thread's partial row sums of P.
 __device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], const float (&scale_log2)[2], uint32_t base,
                                              int stage, int key0, const int (&limit)[2], int t4,
                                              const float (&m_prev)[2], float (&m_new)[2], float (&alpha)[2],
@@ -493,8 +504,10 @@ __device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], const f
   wide_row_max(s, mx);
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    m_new[e] = fmaxf(m_prev[e], mx[e]);
-    alpha[e] = wide_alpha(m_prev[e], m_new[e]);
+    // A NaN max fails the test and leaves m_prev (fmaxf), as in the plain update; its P is NaN.
+    const bool keep = m_prev[e] != -INFINITY && mx[e] <= m_prev[e] + kLazyMaxLog2;
+    m_new[e] = keep ? m_prev[e] : fmaxf(m_prev[e], mx[e]);
+    alpha[e] = m_new[e] == m_prev[e] ? 1.f : wide_alpha(m_prev[e], m_new[e]);
   }
   wide_exp(s, m_new, sum);
 }
@@ -552,8 +565,10 @@ __device__ __forceinline__ void wide_pv(float (&o)[128], const uint32_t (&pa)[kW
     wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_mn_desc(stage_addr + HALF * 4 * W::KPANEL + kk * 2048, W::KPANEL), 1);
 }
 
-// O (128 floats a thread: 32 groups of the m16n8 layout) times a row's factor.
+// O (128 floats a thread: 32 groups of the m16n8 layout) times a row's factor; skipped by a
+// warp whose 16 rows all have factor 1 (the lazy max makes that the common case).
 __device__ __forceinline__ void wide_rescale(float (&o)[128], const float (&a)[2]) {
+  if (__all_sync(0xffffffffu, a[0] == 1.f && a[1] == 1.f)) return;
   rescale_rows(*reinterpret_cast<float(*)[32][4]>(&o), a[0], a[1]);
 }
 
@@ -706,10 +721,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
     const uint32_t st_a = W::stage_addr(base, stage_a), st_b = W::stage_addr(base, stage_b);
     if constexpr (HALF == 0) {
       const bool has_next = 2 * pair + 2 < num_blocks;
-      // ---- block A (softmax done a step ahead): rescale, signal, PV; the next S_A behind it ----
-#pragma unroll
-      for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_alpha[e] + a_sum[e];
-      wide_rescale(o, a_alpha);
+      // ---- block A (softmax done a step ahead): signal, rescale, PV; the next S_A behind it ----
       wide_pack_p<MT>(s, pa);
       if (t4 == 0) {
 #pragma unroll
@@ -720,6 +732,10 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       }
       wide_store_p(base + W::PA_OFF, pa, warp, lane);
       mbar_arrive(W::a_ready_bar(base));
+      // Consumer 1 needs only P_A and the statistics: the rescale of O waits until they are out.
+#pragma unroll
+      for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_alpha[e] + a_sum[e];
+      wide_rescale(o, a_alpha);
       wgmma_fence();
       wide_pv<MT, 0>(o, pa, st_a);
       wgmma_commit();

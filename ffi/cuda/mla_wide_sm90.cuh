@@ -495,6 +495,7 @@ constexpr float kLazyMaxLog2 = 8.f;
 // (m_prev, unless the block's max exceeds it by more than kLazyMaxLog2, or nothing was visible
 // before), alpha = the factor for what was accumulated against m_prev (exactly 1 when the max
 // stays), P = 2^(S - m_new) and the thread's partial row sums of P.
+template <bool kLazyMax>
 __device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], const float (&scale_log2)[2], uint32_t base,
                                              int stage, int key0, const int (&limit)[2], int t4,
                                              const float (&m_prev)[2], float (&m_new)[2], float (&alpha)[2],
@@ -504,10 +505,15 @@ __device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], const f
   wide_row_max(s, mx);
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    // A NaN max fails the test and leaves m_prev (fmaxf), as in the plain update; its P is NaN.
-    const bool keep = m_prev[e] != -INFINITY && mx[e] <= m_prev[e] + kLazyMaxLog2;
-    m_new[e] = keep ? m_prev[e] : fmaxf(m_prev[e], mx[e]);
-    alpha[e] = m_new[e] == m_prev[e] ? 1.f : wide_alpha(m_prev[e], m_new[e]);
+    if constexpr (kLazyMax) {
+      // A NaN max fails the test and leaves m_prev (fmaxf), as in the plain update; its P is NaN.
+      const bool keep = m_prev[e] != -INFINITY && mx[e] <= m_prev[e] + kLazyMaxLog2;
+      m_new[e] = keep ? m_prev[e] : fmaxf(m_prev[e], mx[e]);
+      alpha[e] = m_new[e] == m_prev[e] ? 1.f : wide_alpha(m_prev[e], m_new[e]);
+    } else {
+      m_new[e] = fmaxf(m_prev[e], mx[e]);
+      alpha[e] = wide_alpha(m_prev[e], m_new[e]);
+    }
   }
   wide_exp(s, m_new, sum);
 }
@@ -565,10 +571,13 @@ __device__ __forceinline__ void wide_pv(float (&o)[128], const uint32_t (&pa)[kW
     wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_mn_desc(stage_addr + HALF * 4 * W::KPANEL + kk * 2048, W::KPANEL), 1);
 }
 
-// O (128 floats a thread: 32 groups of the m16n8 layout) times a row's factor; skipped by a
-// warp whose 16 rows all have factor 1 (the lazy max makes that the common case).
+// O (128 floats a thread: 32 groups of the m16n8 layout) times a row's factor; with kSkip,
+// skipped by a warp whose 16 rows all have factor 1 (the lazy max makes that the common case).
+template <bool kSkip>
 __device__ __forceinline__ void wide_rescale(float (&o)[128], const float (&a)[2]) {
-  if (__all_sync(0xffffffffu, a[0] == 1.f && a[1] == 1.f)) return;
+  if constexpr (kSkip) {
+    if (__all_sync(0xffffffffu, a[0] == 1.f && a[1] == 1.f)) return;
+  }
   rescale_rows(*reinterpret_cast<float(*)[32][4]>(&o), a[0], a[1]);
 }
 
@@ -647,6 +656,11 @@ template <typename T, int HALF, int kCache>
 __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, int h0, int hb, uint32_t base) {
   using W = WideSm90;
   using MT = LatentMmaType<T, kCache>;
+  // The lazy max, the skipped rescales and the early A signal (see the top of this file) are
+  // for 16-bit caches only: with an fp8 ckv they made this kernel's narrow body (the same
+  // __global__, mla_attention_sm90_kernel<T, kCacheFp8Ckv>) 8-10% slower through the code ptxas
+  // made of it (ffi/cuda/NOTES.md, "Lazy max"), more than they gave the fp8 wide body.
+  constexpr bool kLazy = !CacheFormat<kCache>::kFp8Ckv;
   const int tid = threadIdx.x - 128 * (1 + HALF);
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int rows = u.q_len * hb;
@@ -692,7 +706,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   // Consumer 0's softmax of block A (scores in s) against the running max.
   auto softmax_a = [&](int stage_a, int key0) {
     fence_registers(s);
-    wide_softmax(s, scale_log2, base, stage_a, key0, limit, t4, m_run, a_max, a_alpha, a_sum);
+    wide_softmax<kLazy>(s, scale_log2, base, stage_a, key0, limit, t4, m_run, a_max, a_alpha, a_sum);
     // S and the mask are read: the rope panel and the right half go back. Every thread read
     // the key flags, so every thread's arrival publishes its reads (rope group).
     mbar_arrive(W::empty_bar(base, stage_a, W::kRope));
@@ -722,6 +736,11 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
     if constexpr (HALF == 0) {
       const bool has_next = 2 * pair + 2 < num_blocks;
       // ---- block A (softmax done a step ahead): signal, rescale, PV; the next S_A behind it ----
+      if constexpr (!kLazy) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_alpha[e] + a_sum[e];
+        wide_rescale<false>(o, a_alpha);
+      }
       wide_pack_p<MT>(s, pa);
       if (t4 == 0) {
 #pragma unroll
@@ -733,9 +752,11 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       wide_store_p(base + W::PA_OFF, pa, warp, lane);
       mbar_arrive(W::a_ready_bar(base));
       // Consumer 1 needs only P_A and the statistics: the rescale of O waits until they are out.
+      if constexpr (kLazy) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_alpha[e] + a_sum[e];
-      wide_rescale(o, a_alpha);
+        for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_alpha[e] + a_sum[e];
+        wide_rescale<true>(o, a_alpha);
+      }
       wgmma_fence();
       wide_pv<MT, 0>(o, pa, st_a);
       wgmma_commit();
@@ -762,7 +783,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       fence_registers(o);
       fence_fragments(pa);
       if (lane == 0) mbar_arrive(W::empty_bar(base, stage_a, W::kLeft));
-      wide_rescale(o, a_b);
+      wide_rescale<kLazy>(o, a_b);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] *= a_b[e];
       // Issued on every trip (see above): without a block B, P = 0 times block A's rows, which
@@ -790,7 +811,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       }
       if (has_b) {
         float sum[2];
-        wide_softmax(s, scale_log2, base, stage_b, key0 + W::BK, limit, t4, m_a, m_b, a_b, sum);
+        wide_softmax<kLazy>(s, scale_log2, base, stage_b, key0 + W::BK, limit, t4, m_a, m_b, a_b, sum);
         // S_B and its mask are read: rope panel (every thread: each read flags) and left half go back
         mbar_arrive(W::empty_bar(base, stage_b, W::kRope));
         if (lane == 0) mbar_arrive(W::empty_bar(base, stage_b, W::kLeft));
@@ -820,7 +841,7 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
         pa[kk][3] = scale_pair<MT>(pa[kk][3], a_b[1]);
       }
       const float a_ab[2] = {a_a[0] * a_b[0], a_a[1] * a_b[1]};
-      wide_rescale(o, a_ab);
+      wide_rescale<kLazy>(o, a_ab);
       wgmma_fence();
       if (has_b) wide_pv<MT, 1>(o, pb, st_b);
       wide_pv<MT, 1>(o, pa, st_a);

@@ -42,16 +42,16 @@
 //
 //     The signals are mbarriers (one phase per pair, every thread of the
 //     sending consumer arrives), which also order the reuse of the P and
-//     statistics buffers one pair later. A signal goes out before its sender
-//     rescales O, which only the sender needs.
+//     statistics buffers one pair later. With a 16-bit cache, consumer 0's
+//     signal goes out before it rescales O, which only it needs.
 //     PV is wgmma m64n256k16 with P from registers and V read straight from the
 //     key stage (the latent rows, MN-major). The running max is shared through
 //     shared memory, so both halves of every row stay on one scale; the row sums
-//     are kept per consumer and added in the epilogue. The max a row's P is
-//     taken against moves only when a block's scores pass it by more than
-//     kLazyMaxLog2 (P then stays at most 2^kLazyMaxLog2): past a row's first
-//     blocks its factors are exactly 1, and a warp whose rows all have factor 1
-//     skips the rescale of its 128 accumulators.
+//     are kept per consumer and added in the epilogue. With a 16-bit cache, the
+//     max a row's P is taken against moves only when a block's scores pass it
+//     by more than kLazyMaxLog2 (P then stays at most 2^kLazyMaxLog2): past a
+//     row's first blocks its factors are exactly 1, and a warp whose rows all
+//     have factor 1 skips the rescale of its 128 accumulators.
 //
 // ffi/cuda/NOTES.md has what each version of this body measured.
 //

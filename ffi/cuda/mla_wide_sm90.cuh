@@ -736,11 +736,13 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
     if constexpr (HALF == 0) {
       const bool has_next = 2 * pair + 2 < num_blocks;
       // ---- block A (softmax done a step ahead): signal, rescale, PV; the next S_A behind it ----
-      if constexpr (!kLazy) {
+      // Block A's share of the row sums and of O's rescale (only consumer 0 needs them).
+      auto account_a = [&]() {
 #pragma unroll
         for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_alpha[e] + a_sum[e];
-        wide_rescale<false>(o, a_alpha);
-      }
+        wide_rescale<kLazy>(o, a_alpha);
+      };
+      if constexpr (!kLazy) account_a();
       wide_pack_p<MT>(s, pa);
       if (t4 == 0) {
 #pragma unroll
@@ -751,12 +753,9 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
       }
       wide_store_p(base + W::PA_OFF, pa, warp, lane);
       mbar_arrive(W::a_ready_bar(base));
-      // Consumer 1 needs only P_A and the statistics: the rescale of O waits until they are out.
-      if constexpr (kLazy) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * a_alpha[e] + a_sum[e];
-        wide_rescale<true>(o, a_alpha);
-      }
+      // Consumer 1 needs only P_A and the statistics: with a 16-bit cache the rescale of O waits
+      // until they are out.
+      if constexpr (kLazy) account_a();
       wgmma_fence();
       wide_pv<MT, 0>(o, pa, st_a);
       wgmma_commit();

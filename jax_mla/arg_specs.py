@@ -6,6 +6,8 @@ Tags:
   ``extra``    further benchmark shapes, ragged and held-out kinds, no targets;
   ``planner``  shapes whose planner targets the benchmark's ``--sweep`` compares;
   ``timing``   shapes the standalone CUDA driver times (``tools/sanitize_harness``);
+  ``wide``     q_len-1 shapes of the wide body (and one narrow control) that ``scripts/driver_ab.sh``
+               times when it compares kernel variants;
   ``profile``  shapes the driver runs under ncu (``scripts/gpu_profile.sh``);
   ``cpu``      the CPU handler's benchmark (``benchmarks/bench_cpu.py``);
   ``sweep``    the CUDA correctness sweep (``tests/test_arg_specs.py``, marked ``gpu``);
@@ -152,21 +154,21 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # ---- benchmark shapes with targets (issue 9); "timing": also timed by the standalone driver
     ArgSpec(16, 64, 1, 32768, batch=1, tags=_tags("target", "timing", "planner"), targets=_PEER),
     ArgSpec(16, 64, 1, 4096, batch=32, tags=_tags("target", "timing", "planner"), targets=_PEER),
-    ArgSpec(16, 64, 1, 4096, batch=128, tags=_tags("target", "timing"), targets=(("TB/s", 4.1), ("peer", 1.0))),
+    ArgSpec(16, 64, 1, 4096, batch=128, tags=_tags("target", "timing", "wide"), targets=(("TB/s", 4.1), ("peer", 1.0))),
     ArgSpec(16, 1, 1, 4096, batch=128, tags=_tags("target", "timing"), targets=_PEER),
-    ArgSpec(128, 64, 1, 4096, batch=128, tags=_tags("target", "timing"), targets=(("TFLOP/s", 660.0),)),
+    ArgSpec(128, 64, 1, 4096, batch=128, tags=_tags("target", "timing", "wide"), targets=(("TFLOP/s", 660.0),)),
     ArgSpec(16, 64, 2, 4096, batch=128, tags=_tags("target"), targets=_PEER),
     ArgSpec(16, 64, 4, 4096, batch=128, tags=_tags("target"), targets=_PEER),
-    ArgSpec(32, 64, 1, 4096, batch=128, tags=_tags("target"), targets=_PEER),
-    ArgSpec(64, 64, 1, 4096, batch=128, tags=_tags("target"), targets=_PEER),
-    ArgSpec(128, 64, 1, 4096, batch=32, tags=_tags("target"), targets=_PEER),
-    ArgSpec(128, 64, 1, 32768, batch=1, tags=_tags("target", "planner"), targets=_PEER),
-    ArgSpec(128, 64, 1, 8192, batch=64, tags=_tags("target"), targets=_PEER),
+    ArgSpec(32, 64, 1, 4096, batch=128, tags=_tags("target", "wide"), targets=_PEER),
+    ArgSpec(64, 64, 1, 4096, batch=128, tags=_tags("target", "wide"), targets=_PEER),
+    ArgSpec(128, 64, 1, 4096, batch=32, tags=_tags("target", "wide"), targets=_PEER),
+    ArgSpec(128, 64, 1, 32768, batch=1, tags=_tags("target", "planner", "wide"), targets=_PEER),
+    ArgSpec(128, 64, 1, 8192, batch=64, tags=_tags("target", "wide"), targets=_PEER),
     # ---- further benchmark shapes: ragged (the first two as in the FlashMLA kit), mixed q_len, odd heads
     ArgSpec(16, 64, 1, 8192, batch=64, tags=_tags("extra")),
     ArgSpec(16, 16, 1, 8192, batch=8, tags=_tags("extra")),
-    ArgSpec(32, 64, 1, Uniform(1, 8192, 7), batch=48, tags=_tags("extra")),
-    ArgSpec(128, 64, 1, Uniform(1000, 8192, 5), batch=32, tags=_tags("extra")),
+    ArgSpec(32, 64, 1, Uniform(1, 8192, 7), batch=48, tags=_tags("extra", "wide")),
+    ArgSpec(128, 64, 1, Uniform(1000, 8192, 5), batch=32, tags=_tags("extra", "wide")),
     ArgSpec(20, 64, Uniform(1, 3), Uniform(256, 8192, 3), batch=64, tags=_tags("extra")),
     ArgSpec(40, 16, Uniform(1, 3), Uniform(64, 4096, 4), batch=96, tags=_tags("extra")),
     # ---- planner sweep only

@@ -6,6 +6,8 @@ compute-sanitizer runs, and the check of its outputs against NumPy.
     python3 tools/sanitize_harness/cases.py check DIR    # compares DIR/case*.bin.out
     python3 tools/sanitize_harness/cases.py timing DIR   # plans of the `timing` and `fp8` shapes (--time)
     python3 tools/sanitize_harness/cases.py timing DIR --l2  # ... with every page id drawn from 32 pages
+    python3 tools/sanitize_harness/cases.py timing DIR --tag wide  # ... of the shapes tagged `wide` instead
+    python3 tools/sanitize_harness/cases.py make DIR --wide  # only the cases with units of > 16 rows
     python3 tools/sanitize_harness/cases.py profile DIR  # the `profile` shapes (ncu)
 
 Cases are the `small` shapes of jax_mla/arg_specs.py: varlen batches with splits, page sizes 1 to
@@ -63,13 +65,15 @@ def _write_case(path, header, float_arrays, int_arrays):
 L2_PROBE_PAGES = 32  # timing --l2: the pages every page id is drawn from (their keys stay in L2)
 
 
-def make_timing(d, l2_probe=False):
-    """Timing cases (no data: the driver draws it on the device). `l2_probe`: the same plans with every
-    page id drawn from L2_PROBE_PAGES pages, so the keys come from L2: how fast a body runs when memory
-    latency and bandwidth are taken away (ffi/cuda/NOTES.md uses it to tell memory-bound from not)."""
+def make_timing(d, l2_probe=False, tag=None):
+    """Timing cases (no data: the driver draws it on the device) of the `timing` and `fp8` shapes, or
+    of the shapes tagged `tag`. `l2_probe`: the same plans with every page id drawn from L2_PROBE_PAGES
+    pages, so the keys come from L2: how fast a body runs when memory latency and bandwidth are taken
+    away (ffi/cuda/NOTES.md uses it to tell memory-bound from not)."""
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(5)
-    for k, spec in enumerate(arg_specs("timing") + arg_specs("fp8")):  # fp8: e4m3 ckv (bf16 queries, kpe)
+    specs = arg_specs(tag) if tag else arg_specs("timing") + arg_specs("fp8")  # fp8: e4m3 ckv (bf16 q, kpe)
+    for k, spec in enumerate(specs):
         b, h, ps = spec.num_requests, spec.heads, spec.page_size
         qo, kv = spec.lengths()
         per = int(-(-kv.max() // ps))
@@ -86,7 +90,10 @@ def make_timing(d, l2_probe=False):
         print(f"time{k}: {spec.name}: {plan.describe()}")
 
 
-def make(d, specs, checked=True):
+def make(d, specs, checked=True, keep=None):
+    """Driver cases of `specs` (case{k}: the k-th spec), with reference inputs where `checked`. `keep`:
+    write only the specs it accepts; every spec still draws its data, so a kept case has the same
+    name and data as in the full set."""
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(11)
     for k, spec in enumerate(specs):
@@ -119,6 +126,8 @@ def make(d, specs, checked=True):
         bits = lambda x: int(np.float32(x).view(np.int32))
         header = (0x4D4C4131, code, t, h, num_pages, ps, len(qo), maxp, len(kv_dev), plan.work.shape[0],
                   plan.merge.shape[0], plan.num_partial_rows, 0, cache, bits(ckv_scale), bits(1.0))
+        if keep is not None and not keep(spec):
+            continue
         _write_case(os.path.join(d, f"case{k}.bin"), header, arrays, (table, kv_dev, plan.work, plan.merge))
         if checked:  # reference inputs for `check`
             np.savez(os.path.join(d, f"case{k}.npz"), qn=arrays[0], qp=arrays[1], ckv=arrays[2] * ckv_scale, kpe=arrays[3],
@@ -175,12 +184,18 @@ def check(d):
     return 0 if ok else 1
 
 
+def is_wide(spec):
+    """Whether some unit of `spec` has more than 16 rows (tokens x heads of a head block): the wide body."""
+    qo, _ = spec.lengths()
+    return min(spec.heads, 64) * int(qo.max()) > 16
+
+
 if __name__ == "__main__":
-    cmd, d = sys.argv[1], sys.argv[2]
+    cmd, d, opts = sys.argv[1], sys.argv[2], sys.argv[3:]
     if cmd == "timing":
-        sys.exit(make_timing(d, l2_probe="--l2" in sys.argv[3:]))
+        sys.exit(make_timing(d, l2_probe="--l2" in opts, tag=opts[opts.index("--tag") + 1] if "--tag" in opts else None))
     if cmd == "profile":
         sys.exit(make(d, arg_specs("profile"), checked=False))
     if cmd == "make":
-        sys.exit(make(d, arg_specs("small")))
+        sys.exit(make(d, arg_specs("small"), keep=is_wide if "--wide" in opts else None))
     sys.exit(check(d))

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# On the GPU machine: compare variants of the CUDA kernels through the standalone driver
+# (tools/sanitize_harness), all in one lease so that they share one GPU and its clocks.
+#
+#   VARIANTS="base: lazy:-DMY_MACRO,-DOTHER=2 prev:@exp/prev_cuda" bash scripts/driver_ab.sh
+#
+# A variant is NAME:SPEC. SPEC is a comma-separated list of nvcc flags (macros the sources test),
+# or @DIR: the kernel sources in DIR replace ffi/cuda (make DIR on your machine with
+# `bash scripts/driver_ab.sh --export REV DIR`, leave it untracked and unignored so it travels).
+# Each variant's driver is built, run on the wide correctness cases (`cases.py make --wide`) and
+# checked against the NumPy reference; then every variant that passed is timed on the shapes tagged
+# CASE_TAG (default `wide`) in ROUNDS interleaved rounds (default "1 2 3"). Prints the median op time
+# (and attention-alone time) per shape and variant; logs in $OUT/driver_ab.tar.gz.
+set -u
+cd "$(dirname "$0")/.."
+if [ "${1:-}" = "--export" ]; then  # local helper: the ffi/cuda of git revision $2 into directory $3
+  rev=$2 dir=$3
+  mkdir -p "$dir"
+  for f in $(git ls-tree --name-only "$rev" ffi/cuda/); do git show "$rev:$f" > "$dir/$(basename "$f")"; done
+  echo "ffi/cuda of $(git rev-parse --short "$rev") in $dir"
+  exit 0
+fi
+export PATH=$PATH:/usr/local/cuda/bin PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/jax_mla_out}
+LOGS=/tmp/driver_ab
+rm -rf "$LOGS" && mkdir -p "$LOGS" "$OUT"
+VARIANTS=${VARIANTS:-"base:"}
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv > "$LOGS/gpu.txt" 2>&1
+
+JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py make /tmp/driver_ab_check --wide > "$LOGS/cases.log" 2>&1 &
+JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing /tmp/driver_ab_time --tag "${CASE_TAG:-wide}" \
+  >> "$LOGS/cases.log" 2>&1 &
+names=""
+for v in $VARIANTS; do
+  name=${v%%:*} spec=${v#*:}
+  names="$names $name"
+  if [[ $spec == @* ]]; then flags="-I${spec#@}"; else flags=${spec//,/ }; fi
+  # The variant's flags come first, so a source directory shadows ffi/cuda.
+  nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 $flags -Iffi/include -Iffi/cuda \
+    --expt-relaxed-constexpr -O3 -lineinfo -std=c++17 tools/sanitize_harness/sanitize_harness.cu \
+    -o "/tmp/driver_ab_$name" > "$LOGS/build_$name.log" 2>&1 &
+done
+wait
+passed=""
+for name in $names; do
+  if [ ! -x "/tmp/driver_ab_$name" ]; then
+    echo "$name: BUILD FAILED"; tail -5 "$LOGS/build_$name.log"; continue
+  fi
+  rm -f /tmp/driver_ab_check/*.out
+  timeout 120 "/tmp/driver_ab_$name" /tmp/driver_ab_check/case*.bin > "$LOGS/check_$name.log" 2>&1
+  JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py check /tmp/driver_ab_check >> "$LOGS/check_$name.log" 2>&1
+  if grep -q "HARNESS OK" "$LOGS/check_$name.log"; then
+    passed="$passed $name"
+    echo "$name: checks ok (largest out_err $(grep -o 'out_err=[0-9.e+-]*' "$LOGS/check_$name.log" | cut -d= -f2 | sort -g | tail -1))"
+  else
+    echo "$name: CHECKS FAILED"; grep -E "FAIL|error" "$LOGS/check_$name.log" | head -5
+  fi
+done
+for round in ${ROUNDS:-1 2 3}; do
+  for name in $passed; do
+    timeout 240 "/tmp/driver_ab_$name" --time /tmp/driver_ab_time/time*.bin > "$LOGS/time_${name}_$round.log" 2>&1
+  done
+done
+python3 - "$LOGS" $passed <<'EOF'
+import collections, glob, re, statistics, sys
+logs, names = sys.argv[1], sys.argv[2:]
+t = collections.defaultdict(lambda: collections.defaultdict(list))
+for n in names:
+    for f in glob.glob(f"{logs}/time_{n}_*.log"):
+        for line in open(f):
+            m = re.search(r"/(time\d+_\S+?)\.bin.*op ([\d.]+) us \| attention alone ([\d.]+)", line)
+            if m:
+                t[m.group(1)][n].append((float(m.group(2)), float(m.group(3))))
+print("median over rounds, us: op / attention alone")
+print("shape".ljust(34) + "".join(n.rjust(16) for n in names))
+for shape in sorted(t, key=lambda s: int(re.match(r"time(\d+)", s).group(1))):
+    cells = []
+    for n in names:
+        v = t[shape][n]
+        cells.append(f"{statistics.median(a for a, _ in v):.1f}/{statistics.median(b for _, b in v):.1f}" if v else "-")
+    print(shape.ljust(34) + "".join(c.rjust(16) for c in cells))
+EOF
+tar czf "$OUT/driver_ab.tar.gz" -C /tmp driver_ab

@@ -27,6 +27,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jax_mla import PlanTarget, plan_mla  # noqa: E402
+from jax_mla import plan_layout  # noqa: E402
 from jax_mla.arg_specs import arg_specs, case_split_target  # noqa: E402
 
 SCALE = 0.0723
@@ -185,9 +186,11 @@ def check(d):
 
 
 def is_wide(spec):
-    """Whether some unit of `spec` has more than 16 rows (tokens x heads of a head block): the wide body."""
+    """Whether some unit of `spec` has more than 16 rows (tokens x heads of a head block, by the plan's
+    tile rule): the wide body."""
     qo, _ = spec.lengths()
-    return min(spec.heads, 64) * int(qo.max()) > 16
+    tokens = min(int(qo.max()), plan_layout.q_tile(spec.heads))
+    return tokens * min(spec.heads, plan_layout.ROWS_PER_TILE) > 16
 
 
 if __name__ == "__main__":

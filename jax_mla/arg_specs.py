@@ -231,6 +231,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # a wide unit that is memory-bound at bf16 (the wgmma body, its producer converting fp8 to fp16)
     ArgSpec(64, 64, 1, 4096, batch=128, kv_dtype="float8_e4m3fn", tags=_tags("fp8")),
     ArgSpec(16, 64, 1, 131072, batch=1, kv_dtype="float8_e4m3fn", tags=_tags("fp8")),
+    # (last, so the cases before it keep their random draws) wide units on pages of >= 32 keys,
+    # where whole blocks come by TMA: page ids outside the cache, partial last blocks, splits
+    ArgSpec(64, 64, (1, 2, 1), (300, 129, 40), bad_pages=True, split=True, tags=_tags("small", "sweep")),
 )
 
 

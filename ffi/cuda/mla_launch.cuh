@@ -10,7 +10,7 @@
 #include "mla_attention_f32_kernel.cuh"
 #include "mla_attention_kernel.cuh"
 #include "mla_merge_kernel.cuh"
-#include "mla_wide_sm90.cuh"
+#include "mla_sm90_kernel.cuh"
 
 namespace jax_mla {
 namespace cuda {

@@ -1,6 +1,6 @@
-// The sm_90a kernel of the paged MLA op: units of more than 16 query rows
+// The wide body of the sm_90a kernel (mla_sm90_kernel.cuh): units of more than 16 query rows
 // (rows = tokens x heads of one request: 32-128 heads, or 16 heads x 2-4 tokens
-// of MTP / speculative verify) take a warp-specialised body built on wgmma;
+// of MTP / speculative verify) take this warp-specialised body built on wgmma;
 // units of at most 16 rows take the narrow body (mla_narrow_kernel.cuh) on the
 // first two warpgroups. With an fp8 ckv the wide body's producer converts the keys
 // to fp16 in the ring (wide_producer_fp8) and the consumers multiply the latent part
@@ -881,91 +881,6 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
     store_tile_row<T, 32>(p, u, h0, hb, r[e], HALF * 256 + 2 * t4, l, m_run[e], scales.out, HALF == 0 && t4 == 0,
                           [&](int j) { return make_float2(o[4 * j + 2 * e], o[4 * j + 2 * e + 1]); });
   }
-}
-
-// ---- the kernel ----------------------------------------------------------------------
-
-// Room for the wgmma body and for the two bodies it hands units to (narrow; portable wide, fp8 caches).
-constexpr int kSm90SmemBytes = cmax(WideSm90::SMEM_BYTES, kAttentionSmemBytes);
-static_assert(kSm90SmemBytes <= 227 * 1024, "one block per SM must fit");
-
-// grid.x = W * head_blocks (head blocks of one unit are neighbours: the second
-// finds the keys in L2); 384 threads. The register cap of 168 at entry is what
-// lets the warpgroups move registers between them (setmaxnreg).
-template <typename T, int kCache = kCacheAsQuery>
-__global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kernel(const Problem p, const __grid_constant__ KeyTensorMaps maps) {
-  extern __shared__ __align__(16) char smem[];  // aligned to 1024 below
-  allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
-  const int unit_index = blockIdx.x / p.head_blocks;
-  const int head_block = blockIdx.x - unit_index * p.head_blocks;
-  Unit u;
-  if (!start_unit(p, unit_index, u)) return;  // padding unit (or unusable row)
-  const int h0 = head_block * kRowsPerTile;
-  const int hb = min(kRowsPerTile, p.num_heads - h0);
-  const int rows = u.q_len * hb;
-  if (rows > kRowsPerTile) return;  // cannot happen with q_len <= q_tile; keeps tiles in bounds
-  // The wgmma body reads keys as T: from a cache of T, or from an fp8 ckv that its producer
-  // converts (kpe in T). An fp8 kpe takes the portable wide body.
-  constexpr bool kWgmmaCache = kCache != kCacheFp8CkvKpe;
-  // The narrow body (and the portable wide body) are two warpgroups; the third hands them its
-  // registers (the bodies want more than the 168 a thread gets at entry) and leaves.
-  if (rows <= 16 || !kWgmmaCache) {
-    if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
-      release_registers<24>();
-      return;
-    }
-    claim_registers<232>();
-    if (rows <= 16) {
-      attend_unit_narrow<T, NarrowShape64x3, kCache>(p, u, h0, hb, smem);
-    } else if constexpr (!kWgmmaCache) {
-      finish_unit(p, u);
-      attend_unit_wide_portable<T, kCache>(p, u, h0, hb, smem);
-    }
-    return;
-  }
-#ifdef JAX_MLA_HAS_WGMMA
-  if constexpr (kWgmmaCache) {
-    using W = WideSm90;
-    constexpr bool kFp8 = kCache == kCacheFp8Ckv;
-    // Arrivals on the barriers the producer completes: every producer thread (cp.async or plain),
-    // plus one per producer warp on the rope group (the key mask). With an fp8 cache
-    // (wide_producer_fp8) only the 64 loader threads do that (on the rope group and on each half's
-    // raw barrier), and the 32 threads of the converting warp arrive on each half's full barrier.
-    constexpr int kLoaders = kFp8 ? 64 : 128, kLoaderWarps = kLoaders / 32;
-    uint32_t base = smem_addr(smem);
-    base += (1024 - (base & 1023)) & 1023;
-    finish_unit(p, u);
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < W::STAGES; ++s)
-        for (int g = 0; g < 3; ++g) {
-          mbar_init(W::full_bar(base, s, g), g == W::kRope ? kLoaders + kLoaderWarps : (kFp8 ? 32 : 128));
-          mbar_init(W::empty_bar(base, s, g), W::empty_count(s, g));
-          if (kFp8 && g != W::kRope) mbar_init(W::raw_bar(base, s, g), kLoaders);
-        }
-      mbar_init(W::query_bar(base), kFp8 ? W::kConverterThreads : 128);
-      mbar_init(W::a_ready_bar(base), 128);
-      mbar_init(W::b_ready_bar(base), 128);
-      mbar_init_fence();
-    }
-    __syncthreads();
-    const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);  // warp-uniform, as wgmma needs
-    if (wg == 0) {
-      release_registers<40>();
-      if constexpr (kFp8) {
-        wide_producer_fp8<T>(p, maps, u, h0, hb, base);
-      } else {
-        wide_producer<T>(p, maps, u, h0, hb, base);
-      }
-    } else {
-      claim_registers<232>();
-      if (wg == 1) {
-        wide_consumer<T, 0, kCache>(p, u, h0, hb, base);
-      } else {
-        wide_consumer<T, 1, kCache>(p, u, h0, hb, base);
-      }
-    }
-  }
-#endif
 }
 
 }  // namespace cuda

@@ -65,19 +65,35 @@ python3 - "$LOGS" $passed <<'EOF'
 import collections, glob, re, statistics, sys
 logs, names = sys.argv[1], sys.argv[2:]
 t = collections.defaultdict(lambda: collections.defaultdict(list))
+ev = collections.defaultdict(lambda: collections.defaultdict(list))
 for n in names:
     for f in glob.glob(f"{logs}/time_{n}_*.log"):
         for line in open(f):
             m = re.search(r"/(time\d+_\S+?)\.bin.*op ([\d.]+) us \| attention alone ([\d.]+)", line)
             if m:
                 t[m.group(1)][n].append((float(m.group(2)), float(m.group(3))))
+            e = re.search(r"/(time\d+_\S+?)\.bin.*events: attention ([\d.]+) chained / ([\d.]+) alone, "
+                          r"merge ([\d.]+) chained / ([\d.]+) alone", line)
+            if e:
+                ev[e.group(1)][n].append(tuple(float(e.group(i)) for i in range(2, 6)))
+order = lambda s: int(re.match(r"time(\d+)", s).group(1))
 print("median over rounds, us: op / attention alone")
 print("shape".ljust(34) + "".join(n.rjust(16) for n in names))
-for shape in sorted(t, key=lambda s: int(re.match(r"time(\d+)", s).group(1))):
+for shape in sorted(t, key=order):
     cells = []
     for n in names:
         v = t[shape][n]
         cells.append(f"{statistics.median(a for a, _ in v):.1f}/{statistics.median(b for _, b in v):.1f}" if v else "-")
     print(shape.ljust(34) + "".join(c.rjust(16) for c in cells))
+if ev:
+    print("median over rounds, us, by events: attention chained/alone, merge chained/alone")
+    print("shape".ljust(34) + "".join(n.rjust(26) for n in names))
+    for shape in sorted(ev, key=order):
+        cells = []
+        for n in names:
+            v = ev[shape][n]
+            med = [statistics.median(x[i] for x in v) for i in range(4)] if v else None
+            cells.append(f"{med[0]:.1f}/{med[1]:.1f}, {med[2]:.1f}/{med[3]:.1f}" if med else "-")
+        print(shape.ljust(34) + "".join(c.rjust(26) for c in cells))
 EOF
 tar czf "$OUT/driver_ab.tar.gz" -C /tmp driver_ab

@@ -10,7 +10,9 @@
 //   (fp8 caches: header word 13 the cache kind of mla_fp8.cuh, 14-15 the scales)
 //   sanitize_harness --time timeN.bin ...         (device time per call of the op,
 //        of its attention kernel alone, its merge kernel alone and of an empty
-//        kernel: CUDA graphs of 20 calls on random device data, caches rotated)
+//        kernel: CUDA graphs of 20 calls on random device data, caches rotated;
+//        then each kernel timed by events inside the attention / merge chain and
+//        in a chain of its own kind)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -179,6 +181,54 @@ static float graph_us(cudaStream_t stream, int n, F calls) {
   return ms[ms.size() / 2] * 1000.f / n;
 }
 
+// Median device time of kernel kind k (0, 1) with events around every launch: `chained[k]` with the
+// two kinds alternating (launch(i, 0), launch(i, 1), launch(i + 1, 0), ...), `alone[k]` in a run
+// of kind k only; i cycles over `sets` input sets. Events add a little to each time (the same in
+// both columns), so compare the two columns, not these with the graph times.
+template <typename F>
+static void event_split_us(cudaStream_t stream, int n, int sets, F launch, float (&chained)[2], float (&alone)[2]) {
+  std::vector<cudaEvent_t> ev(2 * n + 1);
+  for (auto& e : ev) CHECK(cudaEventCreate(&e));
+  auto median_of = [](std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::vector<float> c[2];
+  for (int r = 0; r < 4; ++r) {  // the first round warms up
+    CHECK(cudaEventRecord(ev[0], stream));
+    for (int i = 0; i < n; ++i)
+      for (int k = 0; k < 2; ++k) {
+        launch(i % sets, k);
+        CHECK(cudaEventRecord(ev[2 * i + k + 1], stream));
+      }
+    CHECK(cudaEventSynchronize(ev[2 * n]));
+    for (int j = 0; r > 0 && j < 2 * n; ++j) {
+      float ms = 0.f;
+      CHECK(cudaEventElapsedTime(&ms, ev[j], ev[j + 1]));
+      c[j & 1].push_back(ms * 1000.f);
+    }
+  }
+  for (int k = 0; k < 2; ++k) {
+    chained[k] = median_of(c[k]);
+    std::vector<float> a;
+    for (int r = 0; r < 4; ++r) {
+      CHECK(cudaEventRecord(ev[0], stream));
+      for (int i = 0; i < n; ++i) {
+        launch(i % sets, k);
+        CHECK(cudaEventRecord(ev[i + 1], stream));
+      }
+      CHECK(cudaEventSynchronize(ev[n]));
+      for (int j = 0; r > 0 && j < n; ++j) {
+        float ms = 0.f;
+        CHECK(cudaEventElapsedTime(&ms, ev[j], ev[j + 1]));
+        a.push_back(ms * 1000.f);
+      }
+    }
+    alone[k] = median_of(a);
+  }
+  for (auto& e : ev) CHECK(cudaEventDestroy(e));
+}
+
 template <typename T, int kCache>
 static void time_case(Problem p, const char* name) {
   using F = CacheFormat<kCache>;
@@ -239,10 +289,23 @@ static void time_case(Problem p, const char* name) {
     mla_merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(ps[i % sets]);
     CHECK(cudaGetLastError());
   });
+  // Each kernel's own time inside the chain attention, merge, attention, ... (no PDL; events around
+  // every launch), against the same events around each kernel in a chain of its own kind: which of
+  // the two costs more when they follow each other than when they run alone.
+  float chained[2], alone[2];
+  event_split_us(stream, n, sets, [&](int i, int k) {
+    if (k == 0) {
+      CHECK(launch_attn(ps[i], stream));
+    } else {
+      mla_merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(ps[i]);
+      CHECK(cudaGetLastError());
+    }
+  }, chained, alone);
   std::printf("time %s (cache %d, W=%d M=%d sets=%d): op %.1f us | attention alone %.1f | merge alone %.1f | empty kernel %.1f"
-              " | op with merge grid %d/%d/%d: %.1f/%.1f/%.1f | op without PDL %.1f\n",
+              " | op with merge grid %d/%d/%d: %.1f/%.1f/%.1f | op without PDL %.1f"
+              " | events: attention %.1f chained / %.1f alone, merge %.1f chained / %.1f alone\n",
               name, kCache, p.num_work, p.num_merge, sets, full, attn, merge, empty, grids[0], grids[1], grids[2], grid_us[0],
-              grid_us[1], grid_us[2], no_pdl);
+              grid_us[1], grid_us[2], no_pdl, chained[0], alone[0], chained[1], alone[1]);
   for (auto& q : ps)
     for (const void* ptr : {q.q_nope, q.q_pe, q.ckv, q.kpe}) CHECK(cudaFree(const_cast<void*>(ptr)));
   for (void* ptr : {out, lse, po, pl, (void*)scales}) CHECK(cudaFree(ptr));

@@ -77,23 +77,21 @@ for n in names:
             if e:
                 ev[e.group(1)][n].append(tuple(float(e.group(i)) for i in range(2, 6)))
 order = lambda s: int(re.match(r"time(\d+)", s).group(1))
-print("median over rounds, us: op / attention alone")
-print("shape".ljust(34) + "".join(n.rjust(16) for n in names))
-for shape in sorted(t, key=order):
-    cells = []
-    for n in names:
-        v = t[shape][n]
-        cells.append(f"{statistics.median(a for a, _ in v):.1f}/{statistics.median(b for _, b in v):.1f}" if v else "-")
-    print(shape.ljust(34) + "".join(c.rjust(16) for c in cells))
+
+
+def table(title, data, width, cell):
+    """One row per shape, one column per variant: cell(list of the rounds' tuples) or "-"."""
+    print(title)
+    print("shape".ljust(34) + "".join(n.rjust(width) for n in names))
+    for shape in sorted(data, key=order):
+        cells = [cell(data[shape][n]) if data[shape][n] else "-" for n in names]
+        print(shape.ljust(34) + "".join(c.rjust(width) for c in cells))
+
+
+med = lambda v, i: statistics.median(x[i] for x in v)
+table("median over rounds, us: op / attention alone", t, 16, lambda v: f"{med(v, 0):.1f}/{med(v, 1):.1f}")
 if ev:
-    print("median over rounds, us, by events: attention chained/alone, merge chained/alone")
-    print("shape".ljust(34) + "".join(n.rjust(26) for n in names))
-    for shape in sorted(ev, key=order):
-        cells = []
-        for n in names:
-            v = ev[shape][n]
-            med = [statistics.median(x[i] for x in v) for i in range(4)] if v else None
-            cells.append(f"{med[0]:.1f}/{med[1]:.1f}, {med[2]:.1f}/{med[3]:.1f}" if med else "-")
-        print(shape.ljust(34) + "".join(c.rjust(26) for c in cells))
+    table("median over rounds, us, by events: attention chained/alone, merge chained/alone", ev, 26,
+          lambda v: f"{med(v, 0):.1f}/{med(v, 1):.1f}, {med(v, 2):.1f}/{med(v, 3):.1f}")
 EOF
 tar czf "$OUT/driver_ab.tar.gz" -C /tmp driver_ab

@@ -189,42 +189,34 @@ template <typename F>
 static void event_split_us(cudaStream_t stream, int n, int sets, F launch, float (&chained)[2], float (&alone)[2]) {
   std::vector<cudaEvent_t> ev(2 * n + 1);
   for (auto& e : ev) CHECK(cudaEventCreate(&e));
+  // The time of every launch of `steps` launches, step(j) the j-th: four rounds, the first a warm-up.
+  auto intervals = [&](int steps, auto step) {
+    std::vector<float> us;
+    for (int r = 0; r < 4; ++r) {
+      CHECK(cudaEventRecord(ev[0], stream));
+      for (int j = 0; j < steps; ++j) {
+        step(j);
+        CHECK(cudaEventRecord(ev[j + 1], stream));
+      }
+      CHECK(cudaEventSynchronize(ev[steps]));
+      for (int j = 0; r > 0 && j < steps; ++j) {
+        float ms = 0.f;
+        CHECK(cudaEventElapsedTime(&ms, ev[j], ev[j + 1]));
+        us.push_back(ms * 1000.f);
+      }
+    }
+    return us;
+  };
   auto median_of = [](std::vector<float> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  std::vector<float> c[2];
-  for (int r = 0; r < 4; ++r) {  // the first round warms up
-    CHECK(cudaEventRecord(ev[0], stream));
-    for (int i = 0; i < n; ++i)
-      for (int k = 0; k < 2; ++k) {
-        launch(i % sets, k);
-        CHECK(cudaEventRecord(ev[2 * i + k + 1], stream));
-      }
-    CHECK(cudaEventSynchronize(ev[2 * n]));
-    for (int j = 0; r > 0 && j < 2 * n; ++j) {
-      float ms = 0.f;
-      CHECK(cudaEventElapsedTime(&ms, ev[j], ev[j + 1]));
-      c[j & 1].push_back(ms * 1000.f);
-    }
-  }
+  const std::vector<float> both = intervals(2 * n, [&](int j) { launch((j / 2) % sets, j & 1); });
   for (int k = 0; k < 2; ++k) {
-    chained[k] = median_of(c[k]);
-    std::vector<float> a;
-    for (int r = 0; r < 4; ++r) {
-      CHECK(cudaEventRecord(ev[0], stream));
-      for (int i = 0; i < n; ++i) {
-        launch(i % sets, k);
-        CHECK(cudaEventRecord(ev[i + 1], stream));
-      }
-      CHECK(cudaEventSynchronize(ev[n]));
-      for (int j = 0; r > 0 && j < n; ++j) {
-        float ms = 0.f;
-        CHECK(cudaEventElapsedTime(&ms, ev[j], ev[j + 1]));
-        a.push_back(ms * 1000.f);
-      }
-    }
-    alone[k] = median_of(a);
+    std::vector<float> mine;
+    for (size_t j = k; j < both.size(); j += 2) mine.push_back(both[j]);  // steps alternate, 2 n per round
+    chained[k] = median_of(mine);
+    alone[k] = median_of(intervals(n, [&](int j) { launch(j % sets, k); }));
   }
   for (auto& e : ev) CHECK(cudaEventDestroy(e));
 }
@@ -284,10 +276,13 @@ static void time_case(Problem p, const char* name) {
   const int grids[3] = {sm_count(), 2 * sm_count(), 8 * sm_count()};
   for (int g = 0; g < 3; ++g)
     grid_us[g] = graph_us(stream, n, [&](int i) { CHECK(launch_op(ps[i % sets], stream, grids[g])); });
+  auto launch_merge_plain = [&](const Problem& q) {  // an ordinary launch: no PDL
+    mla_merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(q);
+    CHECK(cudaGetLastError());
+  };
   const float no_pdl = graph_us(stream, n, [&](int i) {
     CHECK(launch_attn(ps[i % sets], stream));
-    mla_merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(ps[i % sets]);
-    CHECK(cudaGetLastError());
+    launch_merge_plain(ps[i % sets]);
   });
   // Each kernel's own time inside the chain attention, merge, attention, ... (no PDL; events around
   // every launch), against the same events around each kernel in a chain of its own kind: which of
@@ -297,8 +292,7 @@ static void time_case(Problem p, const char* name) {
     if (k == 0) {
       CHECK(launch_attn(ps[i], stream));
     } else {
-      mla_merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(ps[i]);
-      CHECK(cudaGetLastError());
+      launch_merge_plain(ps[i]);
     }
   }, chained, alone);
   std::printf("time %s (cache %d, W=%d M=%d sets=%d): op %.1f us | attention alone %.1f | merge alone %.1f | empty kernel %.1f"

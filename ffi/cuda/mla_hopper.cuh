@@ -1,6 +1,6 @@
 // Hopper (sm_90a) building blocks of the wide body (mla_wide_sm90.cuh): mbarriers,
-// named barriers, register reallocation between warpgroups, and the three
-// warpgroup MMAs the body issues. Everything here compiles to nothing outside
+// named barriers, register reallocation between warpgroups, and the warpgroup
+// MMAs the bodies issue. Everything here compiles to nothing outside
 // sm_90a (JAX_MLA_HAS_WGMMA), where the body is never launched.
 #pragma once
 
@@ -182,79 +182,95 @@ __device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t smem_byte_addr, uint3
   return d;
 }
 
-// ---- the three warpgroup MMAs --------------------------------------------------
+// ---- the warpgroup MMAs --------------------------------------------------
 // Accumulator layout (all of them): warp w of the warpgroup holds rows 16w + g and
 // 16w + g + 8 (g = lane / 4); d[4n + e] is column 8n + 2 (lane % 4) + (e & 1) of
 // row 16w + g + 8 (e >> 1). Register A fragments have the mma.sync m16n8k16 A
 // layout per warp: a[0] (g, 2t..2t+1), a[1] (g+8, 2t..), a[2] (g, 8+2t..), a[3] (g+8, 8+2t..).
 // `accumulate` = 0 ignores d's old contents.
 
+// One wgmma with a predicate from `accumulate`: the D registers' text (DREGS) and operands
+// (DOUTS, a JAX_MLA_D* name), then A and B as the instruction takes them (AB: "desc_a, desc_b" or "{a regs}, desc_b"),
+// the predicate's operand (PRED) and the immediates after it (IMM: scale A, scale B, and the
+// transpose flags of the shared-memory operands). The operands after DOUTS are the inputs.
 // clang-format off
-#define JAX_MLA_WGMMA_64x32_SS(TY)                                                                                  \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                                         \
-               "wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {"                                         \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "                            \
-               "%16, %17, p, 1, 1, 0, 0;\n}\n"                                                                      \
-             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),      \
-               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]) \
-             : "l"(desc_a), "l"(desc_b), "r"(accumulate))
-
-#define JAX_MLA_WGMMA_64x256_RS_TB(TY)                                                                                         \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                                                   \
-               "wgmma.mma_async.sync.aligned.m64n256k16.f32." TY "." TY " {"                                                   \
-               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                        \
-               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "                              \
-               "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                              \
-               "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "                              \
-               "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "                              \
-               "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                              \
-               "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "                  \
-               "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "             \
-               "{%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                                                              \
-             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                 \
-               "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),           \
-               "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),         \
-               "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),         \
-               "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),         \
-               "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),         \
-               "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
-               "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),         \
-               "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),         \
-               "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),         \
-               "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),         \
-               "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),         \
-               "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),     \
-               "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-               "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-               "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])  \
-             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+#define JAX_MLA_WGMMA(TY, SHAPE, DREGS, DOUTS, AB, PRED, IMM, ...)                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED ", 0;\n"                                    \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " {" DREGS "}, " AB ", p, " IMM ";\n}\n" \
+             : DOUTS() : __VA_ARGS__)
+// The accumulators of a 64 x N tile, N / 2 floats a thread (function-like, so that the list
+// passes through JAX_MLA_WGMMA_T's arguments as one name).
+#define JAX_MLA_F8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                      "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define JAX_MLA_D16() JAX_MLA_F8(0), JAX_MLA_F8(8)
+#define JAX_MLA_D32() JAX_MLA_D16(), JAX_MLA_F8(16), JAX_MLA_F8(24)
+#define JAX_MLA_D128() JAX_MLA_D32(), JAX_MLA_F8(32), JAX_MLA_F8(40), JAX_MLA_F8(48), JAX_MLA_F8(56), JAX_MLA_F8(64), JAX_MLA_F8(72), JAX_MLA_F8(80), JAX_MLA_F8(88), JAX_MLA_F8(96), JAX_MLA_F8(104), JAX_MLA_F8(112), JAX_MLA_F8(120)
+#define JAX_MLA_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define JAX_MLA_R32 JAX_MLA_R16 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define JAX_MLA_R128 JAX_MLA_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+// The bf16 or fp16 form of one of them, by T.
+#define JAX_MLA_WGMMA_T(...)                                \
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {         \
+    JAX_MLA_WGMMA("bf16", __VA_ARGS__);                     \
+  } else {                                                  \
+    JAX_MLA_WGMMA("f16", __VA_ARGS__);                      \
+  }
 // clang-format on
 
-// S += Q K^T over one k16 step: D 64 x 32, A (64 x 16) and B (32 keys x 16) K-major in shared memory.
+// S += Q K^T over one k16 step (v5b): D 64 x 32, A (64 x 16) and B (32 keys x 16) K-major in shared memory.
 template <typename T>
 __device__ __forceinline__ void wgmma_64x32_ss(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #ifdef JAX_MLA_HAS_WGMMA
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    JAX_MLA_WGMMA_64x32_SS("bf16");
-  } else {
-    JAX_MLA_WGMMA_64x32_SS("f16");
-  }
+  JAX_MLA_WGMMA_T("m64n32k16", JAX_MLA_R16, JAX_MLA_D16, "%16, %17", "%18", "1, 1, 0, 0", "l"(desc_a), "l"(desc_b),
+                  "r"(accumulate))
 #endif
 }
-// O += P V over one k16 step of keys: D 64 x 256, A (P) from registers, B (V) MN-major in shared memory.
+// O += P V over one k16 step of keys: D 64 x 256, A = P from registers, B = V MN-major.
 template <typename T>
 __device__ __forceinline__ void wgmma_64x256_rs_mn(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b,
                                                    int accumulate) {
 #ifdef JAX_MLA_HAS_WGMMA
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    JAX_MLA_WGMMA_64x256_RS_TB("bf16");
-  } else {
-    JAX_MLA_WGMMA_64x256_RS_TB("f16");
-  }
+  JAX_MLA_WGMMA_T("m64n256k16", JAX_MLA_R128, JAX_MLA_D128, "{%128, %129, %130, %131}, %132", "%133", "1, 1, 1",
+                  "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 #endif
 }
-#undef JAX_MLA_WGMMA_64x32_SS
-#undef JAX_MLA_WGMMA_64x256_RS_TB
+// S += Q K^T over one k16 step of the 64-key body: D 64 x 64, A (64 x 16) and B (64 keys x 16)
+// K-major in shared memory.
+template <typename T>
+__device__ __forceinline__ void wgmma_64x64_ss(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#ifdef JAX_MLA_HAS_WGMMA
+  JAX_MLA_WGMMA_T("m64n64k16", JAX_MLA_R32, JAX_MLA_D32, "%32, %33", "%34", "1, 1, 0, 0", "l"(desc_a), "l"(desc_b),
+                  "r"(accumulate))
+#endif
+}
+// The same with A from registers (the queries' rope part, held by each warpgroup).
+template <typename T>
+__device__ __forceinline__ void wgmma_64x64_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                               int accumulate) {
+#ifdef JAX_MLA_HAS_WGMMA
+  JAX_MLA_WGMMA_T("m64n64k16", JAX_MLA_R32, JAX_MLA_D32, "{%32, %33, %34, %35}, %36", "%37", "1, 1, 0",
+                  "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+#endif
+}
+// O += P V over one k16 step of keys with P from shared memory (K-major, the other warpgroup's
+// probabilities) and V MN-major: D 64 x 256.
+template <typename T>
+__device__ __forceinline__ void wgmma_64x256_ss_mn(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#ifdef JAX_MLA_HAS_WGMMA
+  JAX_MLA_WGMMA_T("m64n256k16", JAX_MLA_R128, JAX_MLA_D128, "%128, %129", "%130", "1, 1, 0, 1", "l"(desc_a),
+                  "l"(desc_b), "r"(accumulate))
+#endif
+}
+#undef JAX_MLA_WGMMA_T
+#undef JAX_MLA_R128
+#undef JAX_MLA_R32
+#undef JAX_MLA_R16
+#undef JAX_MLA_D128
+#undef JAX_MLA_D32
+#undef JAX_MLA_D16
+#undef JAX_MLA_F8
+#undef JAX_MLA_WGMMA
+
 
 }  // namespace cuda
 }  // namespace jax_mla

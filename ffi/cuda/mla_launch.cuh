@@ -143,11 +143,27 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
     mla_attention_f32_kernel<<<blocks, kThreads, 0, stream>>>(p);
   } else {
     if (use_sm90_kernel()) {
+      const KeyTensorMaps maps = key_tensor_maps<T, kCache>(p);
+#ifndef JAX_MLA_NO_WIDE64  // (an A/B switch: every wide unit on the producer / two-consumer body)
+      if constexpr (kCache == kCacheAsQuery) {
+        // A 16-bit cache read by TMA, and 64 heads or more: the instance with the 64-key body. Its
+        // two key buffers suit units of 64 rows, where the MMAs bound the time; narrower units
+        // (fewer heads, whatever the q_len) are bound by the copy and keep v5b's deeper ring
+        // (ffi/cuda/NOTES.md, "v8").
+        if (maps.enabled && p.num_heads >= Wide64Sm90::ROWS) {
+          static std::atomic<int> raised[kMaxDevices] = {};
+          const cudaError_t err =
+              raise_smem_limit(raised, mla_attention_sm90_kernel<T, kCache, true>, kSm90SmemBytes);
+          if (err != cudaSuccess) return err;
+          mla_attention_sm90_kernel<T, kCache, true><<<blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream>>>(p, maps);
+          return cudaGetLastError();
+        }
+      }
+#endif
       static std::atomic<int> raised[kMaxDevices] = {};
       const cudaError_t err = raise_smem_limit(raised, mla_attention_sm90_kernel<T, kCache>, kSm90SmemBytes);
       if (err != cudaSuccess) return err;
-      mla_attention_sm90_kernel<T, kCache>
-          <<<blocks, WideSm90::kThreads, kSm90SmemBytes, stream>>>(p, key_tensor_maps<T, kCache>(p));
+      mla_attention_sm90_kernel<T, kCache><<<blocks, WideSm90::kThreads, kSm90SmemBytes, stream>>>(p, maps);
     } else {
       static std::atomic<int> raised[kMaxDevices] = {};
       const cudaError_t err = raise_smem_limit(raised, mla_attention_kernel<T, kCache>, kAttentionSmemBytes);

@@ -1,9 +1,13 @@
-// The sm_90a kernel of the paged MLA op: one block per work unit and head block, 384 threads;
-// it sends each unit to a body. Units of at most 16 query rows take the narrow body
-// (mla_narrow_kernel.cuh), wider units the warp-specialised wgmma body (mla_wide_sm90.cuh), and
-// with an fp8 kpe the portable wide body (mla_attention_kernel.cuh).
+// The sm_90a kernel of the paged MLA op: one block per work unit and head block, 384 threads.
+// Units of at most 16 query rows take the narrow body (mla_narrow_kernel.cuh); wider units take a
+// wgmma body. Two instances per cache: kWide64 (launched for 16-bit caches read by TMA, page size
+// >= 32) holds the two-warpgroup body of 64-key blocks (mla_wide64_sm90.cuh); the other the
+// producer / two-consumer body (mla_wide_sm90.cuh). Each instance holds only its own wide body, so
+// that ptxas makes of one what it would alone. An fp8 kpe takes the portable wide body
+// (mla_attention_kernel.cuh).
 #pragma once
 
+#include "mla_wide64_sm90.cuh"
 #include "mla_wide_sm90.cuh"
 
 namespace jax_mla {
@@ -11,15 +15,18 @@ namespace cuda {
 
 // ---- the kernel ----------------------------------------------------------------------
 
-// Room for the wgmma body and for the two bodies it hands units to (narrow; portable wide, fp8 caches).
-constexpr int kSm90SmemBytes = cmax(WideSm90::SMEM_BYTES, kAttentionSmemBytes);
+// Room for the wgmma bodies and for the two bodies it hands units to (narrow; portable wide, fp8 caches).
+constexpr int kSm90SmemBytes = cmax(cmax(WideSm90::SMEM_BYTES, Wide64Sm90::SMEM_BYTES), kAttentionSmemBytes);
 static_assert(kSm90SmemBytes <= 227 * 1024, "one block per SM must fit");
 
 // grid.x = W * head_blocks (head blocks of one unit are neighbours: the second
-// finds the keys in L2); 384 threads. The register cap of 168 at entry is what
-// lets the warpgroups move registers between them (setmaxnreg).
-template <typename T, int kCache = kCacheAsQuery>
-__global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kernel(const Problem p, const __grid_constant__ KeyTensorMaps maps) {
+// finds the keys in L2). 384 threads: the register cap of 168 at entry is what
+// lets the warpgroups move registers between them (setmaxnreg). The kWide64 instance has
+// no producer warpgroup: 256 threads, 255 registers each from the start.
+template <bool kWide64>
+constexpr int sm90_kernel_threads() { return kWide64 ? Wide64Sm90::kThreads : WideSm90::kThreads; }
+template <typename T, int kCache = kCacheAsQuery, bool kWide64 = false>
+__global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attention_sm90_kernel(const Problem p, const __grid_constant__ KeyTensorMaps maps) {
   extern __shared__ __align__(16) char smem[];  // aligned to 1024 below
   allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
   const int unit_index = blockIdx.x / p.head_blocks;
@@ -33,24 +40,36 @@ __global__ void __launch_bounds__(WideSm90::kThreads, 1) mla_attention_sm90_kern
   // The wgmma body reads keys as T: from a cache of T, or from an fp8 ckv that its producer
   // converts (kpe in T). An fp8 kpe takes the portable wide body.
   constexpr bool kWgmmaCache = kCache != kCacheFp8CkvKpe;
+  static_assert(!kWide64 || kCache == kCacheAsQuery, "the 64-key body reads 16-bit caches");
+  // A unit start off a 32-key boundary cannot take the 64-key body's TMA boxes; this library's
+  // planner splits at multiples of 64, so only another plan would send one here: the portable body.
+  const bool portable = !kWgmmaCache || (kWide64 && !wide64_takes(maps, u));
   // The narrow body (and the portable wide body) are two warpgroups; the third hands them its
   // registers (the bodies want more than the 168 a thread gets at entry) and leaves.
-  if (rows <= 16 || !kWgmmaCache) {
-    if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
-      release_registers<24>();
-      return;
+  if (rows <= 16 || portable) {
+    if constexpr (!kWide64) {
+      if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
+        release_registers<24>();
+        return;
+      }
+      claim_registers<232>();
     }
-    claim_registers<232>();
     if (rows <= 16) {
       attend_unit_narrow<T, NarrowShape64x3, kCache>(p, u, h0, hb, smem);
-    } else if constexpr (!kWgmmaCache) {
+    } else if constexpr (!kWgmmaCache || kWide64) {
       finish_unit(p, u);
       attend_unit_wide_portable<T, kCache>(p, u, h0, hb, smem);
     }
     return;
   }
 #ifdef JAX_MLA_HAS_WGMMA
-  if constexpr (kWgmmaCache) {
+  if constexpr (kWide64) {
+    // The two-warpgroup body of 64-key blocks.
+    finish_unit(p, u);
+    uint32_t base = smem_addr(smem);
+    base += (1024 - (base & 1023)) & 1023;
+    attend_unit_wide64<T>(p, maps, u, h0, hb, base);
+  } else if constexpr (kWgmmaCache) {
     using W = WideSm90;
     constexpr bool kFp8 = kCache == kCacheFp8Ckv;
     // Arrivals on the barriers the producer completes: every producer thread (cp.async or plain),

@@ -459,11 +459,13 @@ __device__ __forceinline__ void wide_mask(float (&s)[WideSm90::SACC], const floa
   }
 }
 
-// Row maxima of the thread's two rows (a row's keys sit in four lanes).
-__device__ __forceinline__ void wide_row_max(const float (&s)[WideSm90::SACC], float (&mx)[2]) {
+// Row maxima of the thread's two rows (a row's keys sit in four lanes). NS: the thread's scores
+// of one block (keys / 2 for 64 rows; both wgmma bodies).
+template <int NS>
+__device__ __forceinline__ void wide_row_max(const float (&s)[NS], float (&mx)[2]) {
   mx[0] = mx[1] = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < WideSm90::SACC; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+  for (int i = 0; i < NS; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
@@ -473,11 +475,12 @@ __device__ __forceinline__ void wide_row_max(const float (&s)[WideSm90::SACC], f
 
 // P = 2^(S - m) in place, with the thread's partial row sums; m = -inf (nothing
 // visible yet) counts as 0 so that masked scores give 0, never NaN.
-__device__ __forceinline__ void wide_exp(float (&s)[WideSm90::SACC], const float (&m)[2], float (&sum)[2]) {
+template <int NS>
+__device__ __forceinline__ void wide_exp(float (&s)[NS], const float (&m)[2], float (&sum)[2]) {
   const float mu[2] = {m[0] == -INFINITY ? 0.f : m[0], m[1] == -INFINITY ? 0.f : m[1]};
   sum[0] = sum[1] = 0.f;
 #pragma unroll
-  for (int i = 0; i < WideSm90::SACC; ++i) {
+  for (int i = 0; i < NS; ++i) {
     s[i] = fast_exp2(s[i] - mu[(i >> 1) & 1]);
     sum[(i >> 1) & 1] += s[i];
   }
@@ -491,16 +494,15 @@ __device__ __forceinline__ float wide_alpha(float m_old, float m_new) {
 // sums, while the rows' factors are exactly 1 on most blocks, so their rescales are skipped.
 constexpr float kLazyMaxLog2 = 8.f;
 
-// A block's softmax step, in place: mask and scale the scores, the rows' new reference max m_new
-// (m_prev, unless the block's max exceeds it by more than kLazyMaxLog2, or nothing was visible
-// before), alpha = the factor for what was accumulated against m_prev (exactly 1 when the max
-// stays), P = 2^(S - m_new) and the thread's partial row sums of P.
-template <bool kLazyMax>
-__device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], const float (&scale_log2)[2], uint32_t base,
-                                             int stage, int key0, const int (&limit)[2], int t4,
-                                             const float (&m_prev)[2], float (&m_new)[2], float (&alpha)[2],
-                                             float (&sum)[2]) {
-  wide_mask(s, scale_log2, base, stage, key0, limit, t4);
+// A block's softmax step, in place: mask and scale the scores (mask(s): the body's own key
+// flags and row limits), the rows' new reference max m_new (m_prev, unless the block's max
+// exceeds it by more than kLazyMaxLog2, or nothing was visible before), alpha = the factor for
+// what was accumulated against m_prev (exactly 1 when the max stays), P = 2^(S - m_new) and the
+// thread's partial row sums of P.
+template <bool kLazyMax, int NS, typename Mask>
+__device__ __forceinline__ void softmax_block(float (&s)[NS], Mask mask, const float (&m_prev)[2], float (&m_new)[2],
+                                              float (&alpha)[2], float (&sum)[2]) {
+  mask(s);
   float mx[2];
   wide_row_max(s, mx);
 #pragma unroll
@@ -518,13 +520,24 @@ __device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], const f
   wide_exp(s, m_new, sum);
 }
 
+// v5b's softmax step: its key flags come from the producer's mask (wide_mask).
+template <bool kLazyMax>
+__device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], const float (&scale_log2)[2], uint32_t base,
+                                             int stage, int key0, const int (&limit)[2], int t4,
+                                             const float (&m_prev)[2], float (&m_new)[2], float (&alpha)[2],
+                                             float (&sum)[2]) {
+  softmax_block<kLazyMax>(
+      s, [&](float (&x)[WideSm90::SACC]) { wide_mask(x, scale_log2, base, stage, key0, limit, t4); }, m_prev, m_new,
+      alpha, sum);
+}
+
 constexpr int kWideKSteps = WideSm90::BK / 16;  // k16 steps of P V per block
 
-// The 64 x 32 probabilities as the A fragments of two k16 steps.
-template <typename T>
-__device__ __forceinline__ void wide_pack_p(const float (&s)[WideSm90::SACC], uint32_t (&pa)[kWideKSteps][4]) {
+// The 64 x 16 KS probabilities as the A fragments of KS k16 steps.
+template <typename T, int KS>
+__device__ __forceinline__ void wide_pack_p(const float (&s)[8 * KS], uint32_t (&pa)[KS][4]) {
 #pragma unroll
-  for (int kk = 0; kk < kWideKSteps; ++kk) {
+  for (int kk = 0; kk < KS; ++kk) {
     pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
     pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
     pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
@@ -651,6 +664,42 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
   }
 }
 
+// The two rows a thread holds in a warpgroup's 64-row accumulators (warp w: rows 16 w + g and
+// 16 w + g + 8) and the keys each row may see.
+__device__ __forceinline__ void accumulator_rows(const Unit& u, int warp, int g, int rows, int hb, int (&r)[2],
+                                                 int (&limit)[2]) {
+  r[0] = 16 * warp + g;
+  r[1] = r[0] + 8;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) limit[e] = row_key_limit(u, r[e], rows, hb);
+}
+
+// The end of a two-warpgroup body (this one and mla_wide64_sm90.cuh's): each warpgroup's row
+// sums (a row's keys sit in four lanes) to shared memory (sum_ptr(half, row)), one named barrier
+// across both warpgroups, then every row normalised by both halves' sums and stored (this
+// warpgroup's 256 columns of O; warpgroup 0 writes the LSE).
+template <typename T, int HALF, typename SumPtr>
+__device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u, int h0, int hb, int rows,
+                                                 const int (&r)[2], int t4, const float (&l_run)[2],
+                                                 const float (&m_run)[2], const float (&o)[128], float out_scale,
+                                                 SumPtr sum_ptr, int barrier, int threads) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float l = l_run[e];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t4 == 0) *sum_ptr(HALF, r[e]) = l;
+  }
+  named_barrier_sync(barrier, threads);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    if (r[e] >= rows) continue;
+    const float l = *sum_ptr(0, r[e]) + *sum_ptr(1, r[e]);
+    store_tile_row<T, 32>(p, u, h0, hb, r[e], HALF * 256 + 2 * t4, l, m_run[e], out_scale, HALF == 0 && t4 == 0,
+                          [&](int j) { return make_float2(o[4 * j + 2 * e], o[4 * j + 2 * e + 1]); });
+  }
+}
+
 // The latent part of S and all of P V multiply in MT (T, or fp16 with an fp8 cache: mla_fp8.cuh).
 template <typename T, int HALF, int kCache>
 __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, int h0, int hb, uint32_t base) {
@@ -664,10 +713,8 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   const int tid = threadIdx.x - 128 * (1 + HALF);
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int rows = u.q_len * hb;
-  const int r[2] = {16 * warp + g, 16 * warp + g + 8};
-  int limit[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) limit[e] = row_key_limit(u, r[e], rows, hb);
+  int r[2], limit[2];
+  accumulator_rows(u, warp, g, rows, hb, r, limit);
   // Broadcast from lane 0: the compiler then knows the loop and `has_b` are
   // warp-uniform, which wgmma (issued inside them) needs to stay asynchronous.
   const int num_blocks = __shfl_sync(0xffffffffu, (u.range_end - u.kv_begin + W::BK - 1) / W::BK, 0);
@@ -865,22 +912,9 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
     }
   }
 
-  // ---- epilogue: both halves' row sums, normalise, store ----
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    float l = l_run[e];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (t4 == 0) *stat_ptr(W::kSum0 + HALF, r[e]) = l;
-  }
-  named_barrier_sync(W::kConsumers, W::kConsumerThreads);
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    if (r[e] >= rows) continue;
-    const float l = *stat_ptr(W::kSum0, r[e]) + *stat_ptr(W::kSum1, r[e]);
-    store_tile_row<T, 32>(p, u, h0, hb, r[e], HALF * 256 + 2 * t4, l, m_run[e], scales.out, HALF == 0 && t4 == 0,
-                          [&](int j) { return make_float2(o[4 * j + 2 * e], o[4 * j + 2 * e + 1]); });
-  }
+  store_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out,
+                            [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); }, W::kConsumers,
+                            W::kConsumerThreads);
 }
 
 }  // namespace cuda

@@ -1,0 +1,480 @@
+// The wide body for 16-bit caches read by TMA (page size >= 32): two warpgroups, no producer,
+// 64-key blocks (ffi/cuda/NOTES.md, "v8"). mla_wide_sm90.cuh's body (v5b) keeps the rest:
+// fp8 caches, page sizes below 32, unit starts off a 32-key boundary.
+//
+// One block = one work unit x 64 rows (padding rows zero). Shared memory holds the latent
+// queries (eight 128-byte-swizzled panels of 64 dims), two key buffers of one 64-key block each
+// (nine 8 KB tiles: eight latent panels and the rope panel, each with its own "full" mbarrier),
+// P of each warpgroup's block, and the rows' maxima. The queries' rope panel lives in registers
+// (the A operand of the rope k-steps), which is what leaves room for the second P buffer.
+//
+// Blocks go in pairs: block A (even) in buffer 0, block B (odd) in buffer 1. Warpgroup w computes
+// S of its block (A: w = 0, B: w = 1) and its softmax, and keeps O[:, 256 w : 256 w + 256]:
+//
+//   WG0: softmax A against the running max (m_A) ........ m_A to shared; signal m_A
+//        O_L += P_A V_A[:, left]       (P_A from registers)
+//        refill buffer 0's tiles 0-3 with block A + 2 (the last reader is done)
+//        wait m_B; P_A in m_B's frame to shared; signal P_A
+//        wait P_B; O_L = O_L 2^(m_A - m_B) + P_B V_B[:, left]   (P_B from shared memory)
+//        S of block A + 2 (tiles 0-3 first: refilled first); refill buffer 1's tiles 0-3
+//   WG1: wait m_A; softmax B against m_A (m_B); signal m_B; P_B to shared; signal P_B
+//        O_R = O_R 2^(m_prev - m_B) + P_B V_B[:, right]    (P_B from registers)
+//        wait P_A; O_R += P_A V_A[:, right]   (issued behind the first: no wait between them)
+//        refill buffer 1's tiles 4-8 with block B + 2, then buffer 0's with block A + 2
+//        S of block B + 2 (tiles 4-8 first)
+//
+// That is FlashMLA's hand-off order: WG0 hands P_A over already in the frame of m_B, so WG1's two
+// PVs run back to back, and block B + 2's tiles 4-8 go in while the second still runs.
+// Every refill is issued by the warpgroup that reads the tiles last, right after its wgmma wait:
+// no producer wake-up sits between a free tile and its next load (NOTES.md, v7). A refill is one
+// TMA box of 32 keys per tile half; a box on a bad page id reads rows outside the tensor, which
+// TMA fills with zeros, and its keys are masked. A unit's partial last block is read
+// whole (its page holds the rows) and its V rows past the range are zeroed before the PVs (their
+// P is 0, but 0 times a NaN is NaN). The lazy max and the skipped rescales are v5b's.
+//
+// Split units write float32 partials for the merge kernel, as every body does.
+#pragma once
+
+#include "mla_wide_sm90.cuh"
+
+namespace jax_mla {
+namespace cuda {
+
+struct Wide64Sm90 {
+  static constexpr int kThreads = 256;  // two warpgroups
+  static constexpr int ROWS = 64;
+  static constexpr int BK = 64;                 // keys per block
+  static constexpr int TILE = BK * 128;         // 64 keys x 64 dims, 128-byte swizzle
+  static constexpr int QPANEL = ROWS * 128;     // 64 query rows x 64 dims
+  static constexpr int TILES = 9;               // eight latent panels + the rope panel
+  static constexpr int ROPE_TILE = 8;
+  static constexpr int BUF = TILES * TILE;
+  static constexpr int BOX = WideSm90::BK;      // keys per TMA box (the tensor maps' box: 32 rows)
+  static constexpr int SACC = ROWS * BK / 128;  // S accumulators per thread
+  static constexpr int KSTEPS = BK / 16;        // k16 steps of P V per block
+  static constexpr int Q_OFF = 0;
+  static constexpr int K_OFF = 8 * QPANEL;
+  static constexpr int P0_OFF = K_OFF + 2 * BUF;
+  static constexpr int P1_OFF = P0_OFF + ROWS * 128;  // also the queries' rope panel until both warpgroups hold it
+  static constexpr int STATS_OFF = P1_OFF + ROWS * 128;  // float [4][64]: m_A, m_B, l (WG0), l (WG1)
+  // u32 per buffer and use parity: bit k = box k's keys are usable. Two per buffer, so that the
+  // mask of a buffer's next block is written while its readers may still read the current one.
+  static constexpr int MASK_OFF = STATS_OFF + 4 * ROWS * 4;
+  static constexpr int BAR_OFF = MASK_OFF + 4 * 4;
+  static constexpr int NUM_BARS = 2 * TILES + 4;  // full x buffer x tile; m_A, m_B, P_A, P_B ready
+  static constexpr int BYTES = BAR_OFF + NUM_BARS * 8;
+  static constexpr int SMEM_BYTES = BYTES + 1024 - 16;  // room to align the base
+
+  enum Stat : int { kMaxA = 0, kMaxB = 1, kSum0 = 2, kSum1 = 3 };
+  enum NamedBarrier : int { kBoth = 1, kWarpgroup0 = 2 };  // kWarpgroup0 + w: warpgroup w alone
+
+  static __device__ __forceinline__ uint32_t full_bar(uint32_t base, int buf, int tile) {
+    return base + BAR_OFF + (buf * TILES + tile) * 8;
+  }
+  // WG0 -> WG1: m_A is in shared memory; WG1 -> WG0: m_B is. One phase per pair, all 128 threads
+  // of the sender arrive (as on the two below).
+  static __device__ __forceinline__ uint32_t a_ready_bar(uint32_t base) { return base + BAR_OFF + 2 * TILES * 8; }
+  static __device__ __forceinline__ uint32_t b_ready_bar(uint32_t base) { return a_ready_bar(base) + 8; }
+  // WG0 -> WG1: P_A (in m_B's frame) is in P0; WG1 -> WG0: P_B is in P1.
+  static __device__ __forceinline__ uint32_t p0_ready_bar(uint32_t base) { return a_ready_bar(base) + 16; }
+  static __device__ __forceinline__ uint32_t p1_ready_bar(uint32_t base) { return a_ready_bar(base) + 24; }
+  static __device__ __forceinline__ uint32_t buf_addr(uint32_t base, int buf) { return base + K_OFF + buf * BUF; }
+  // Block n lives in buffer n % 2 for the (n / 2)-th time.
+  static __device__ __forceinline__ uint32_t mask_addr(uint32_t base, int blk) {
+    return base + MASK_OFF + ((blk & 1) * 2 + ((blk >> 1) & 1)) * 4;
+  }
+  static_assert(SMEM_BYTES <= 227 * 1024, "one block per SM must fit");
+  static_assert(TILE % 1024 == 0 && QPANEL % 1024 == 0 && K_OFF % 1024 == 0 && P0_OFF % 1024 == 0,
+                "swizzle atoms stay aligned");
+  static_assert(BAR_OFF % 8 == 0, "mbarriers are 8-byte aligned");
+};
+
+// The cache rows of a block's two TMA boxes (keys 0-31 and 32-63) and which of them hold usable
+// keys. A box on a page id outside the cache reads rows before the tensor, which TMA fills with
+// zeros, and its bit masks its keys; a second box wholly past the unit's range reads the first
+// box's rows again (its keys are past every row limit, its V rows are zeroed). Needs a 32-aligned
+// block start and page size >= 32: each box lies in one page. The first box always starts in range.
+struct Wide64Rows {
+  int row[2];
+  uint32_t ok;
+};
+__device__ __forceinline__ Wide64Rows wide64_block_rows(const Problem& p, const Unit& u, int blk) {
+  using W = Wide64Sm90;
+  const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+  Wide64Rows b;
+  b.ok = 0;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int key = u.kv_begin + blk * W::BK + k * W::BOX;
+    if (k == 1 && key >= u.range_end) {  // box 0's rows again: past the range, masked and zeroed
+      b.row[1] = b.row[0];
+      break;
+    }
+    const int page = __ldg(pt_row + (key >> p.log2_page_size));
+    const bool ok = page >= 0 && page < p.num_pages;
+    b.row[k] = ok ? page * p.page_size + (key & (p.page_size - 1)) : -W::BOX;  // rows before the tensor: zeros
+    b.ok |= (uint32_t)ok << k;
+  }
+  return b;
+}
+
+// Tiles [T0, T1) of a block into buffer `buf`: two boxes per tile, completion counted in bytes
+// on the tile's barrier. One thread issues them.
+template <int T0, int T1>
+__device__ __forceinline__ void wide64_load_tiles(const KeyTensorMaps& maps, uint32_t base, int buf,
+                                                  const Wide64Rows& b) {
+  using W = Wide64Sm90;
+  const uint32_t dst = W::buf_addr(base, buf);
+#pragma unroll
+  for (int t = T0; t < T1; ++t) {
+    const uint32_t bar = W::full_bar(base, buf, t);
+    const void* map = t == W::ROPE_TILE ? (const void*)&maps.kpe : (const void*)&maps.ckv;
+    const int col = t == W::ROPE_TILE ? 0 : 64 * t;
+    mbar_arrive_expect_tx(bar, W::TILE);
+    tma_load_2d(dst + t * W::TILE, map, col, b.row[0], bar);
+    tma_load_2d(dst + t * W::TILE + W::TILE / 2, map, col, b.row[1], bar);
+  }
+}
+
+// S = Q K^T for the block in `kbuf`, each tile as its barrier completes: steps [I0, I1) of the
+// tile order, tiles 0-3 first when kLeftFirst (WG0: refilled first), else 4-8 first (WG1).
+// Without `wait`, kbuf is the query panels and the product is thrown away: the loop issues every
+// wgmma on every trip (see wide_consumer), and the queries are never written. Async: the caller
+// commits.
+template <typename T, bool kLeftFirst, int I0 = 0, int I1 = Wide64Sm90::TILES>
+__device__ __forceinline__ void wide64_scores(float (&s)[Wide64Sm90::SACC], const uint32_t (&q_rope)[4][4],
+                                              uint32_t base, uint32_t kbuf, int buf, int parity, bool wait) {
+  using W = Wide64Sm90;
+  base = opaque(base);
+  kbuf = opaque(kbuf);
+#pragma unroll
+  for (int i = I0; i < I1; ++i) {
+    const int t = kLeftFirst ? i : (i < 5 ? i + 4 : i - 5);
+    if (wait) mbar_wait(W::full_bar(base, buf, t), parity);
+    if (i == 0) wgmma_fence();
+    if (t == W::ROPE_TILE) {
+      const uint32_t tile = wait ? kbuf + W::ROPE_TILE * W::TILE : kbuf;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) wgmma_64x64_rs<T>(s, q_rope[kk], sw128_desc(tile + kk * 32), i + kk > 0);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_64x64_ss<T>(s, sw128_desc(base + W::Q_OFF + t * W::QPANEL + kk * 32),
+                          sw128_desc(kbuf + t * W::TILE + kk * 32), i + kk > 0);
+    }
+  }
+}
+
+// P fragments to / from a 64 x 64 panel in the 128-byte swizzle (chunk c of row r at c ^ (r & 7)):
+// the K-major A operand of the other warpgroup's wgmma, or its ldmatrix.
+__device__ __forceinline__ void wide64_store_p(uint32_t buf, const uint32_t (&pa)[Wide64Sm90::KSTEPS][4], int warp,
+                                               int lane) {
+  buf = opaque(buf);
+  const int g = lane >> 2, t4 = lane & 3;
+  const uint32_t r0 = buf + (16 * warp + g) * 128 + 4 * t4, r1 = r0 + 8 * 128;
+#pragma unroll
+  for (int kk = 0; kk < Wide64Sm90::KSTEPS; ++kk) {
+    st_shared_u32(r0 + (((2 * kk) ^ g) << 4), pa[kk][0]);
+    st_shared_u32(r1 + (((2 * kk) ^ g) << 4), pa[kk][1]);
+    st_shared_u32(r0 + (((2 * kk + 1) ^ g) << 4), pa[kk][2]);
+    st_shared_u32(r1 + (((2 * kk + 1) ^ g) << 4), pa[kk][3]);
+  }
+}
+template <int KS>
+__device__ __forceinline__ void wide64_load_fragments(uint32_t panel, uint32_t (&a)[KS][4], int warp, int lane) {
+  panel = opaque(panel);
+  const int row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8, ch = lane >> 4;
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) ldmatrix_x4(a[kk], panel + row * 128 + (((2 * kk + ch) ^ (row & 7)) << 4));
+}
+
+// O[:, 256 HALF : +256] += P V for the block in kbuf (async, not committed); P from registers or
+// from a panel in shared memory.
+template <typename T, int HALF>
+__device__ __forceinline__ void wide64_pv(float (&o)[128], const uint32_t (&pa)[Wide64Sm90::KSTEPS][4],
+                                          uint32_t kbuf) {
+  using W = Wide64Sm90;
+  kbuf = opaque(kbuf);
+#pragma unroll
+  for (int kk = 0; kk < W::KSTEPS; ++kk)
+    wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_mn_desc(kbuf + HALF * 4 * W::TILE + kk * 2048, W::TILE), 1);
+}
+template <typename T, int HALF>
+__device__ __forceinline__ void wide64_pv_shared_p(float (&o)[128], uint32_t p_panel, uint32_t kbuf) {
+  using W = Wide64Sm90;
+  kbuf = opaque(kbuf);
+#pragma unroll
+  for (int kk = 0; kk < W::KSTEPS; ++kk)
+    wgmma_64x256_ss_mn<T>(o, sw128_desc(p_panel + kk * 32),
+                          sw128_mn_desc(kbuf + HALF * 4 * W::TILE + kk * 2048, W::TILE), 1);
+}
+
+// V rows [from, 64) of the four latent tiles a warpgroup multiplies (HALF) set to zero, then
+// fenced for wgmma and synchronised within the warpgroup: a partial last block's rows past the
+// range came whole from their page.
+template <int HALF>
+__device__ __forceinline__ void wide64_zero_rows(uint32_t kbuf, int from, int tid) {
+  using W = Wide64Sm90;
+#pragma unroll 4
+  for (int i = tid; i < 4 * W::BK * 8; i += 128) {
+    const int t = i >> 9, r = (i >> 3) & (W::BK - 1), c = i & 7;
+    if (r >= from) st_shared_v4(kbuf + (4 * HALF + t) * W::TILE + r * 128 + c * 16, make_uint4(0, 0, 0, 0));
+  }
+  fence_proxy_async_shared();
+  named_barrier_sync(W::kWarpgroup0 + HALF, 128);
+}
+
+// One warpgroup of the body (HALF = 0: WG0, block A and O's left half; 1: WG1, block B, right half).
+template <typename T, int HALF>
+__device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
+                                                 int hb, uint32_t base) {
+  using W = Wide64Sm90;
+  const int tid = threadIdx.x - 128 * HALF;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int rows = u.q_len * hb;
+  int r[2], limit[2];
+  accumulator_rows(u, warp, g, rows, hb, r, limit);
+  // Broadcast from lane 0: the compiler then knows the loop is warp-uniform, which wgmma needs.
+  const int num_blocks = __shfl_sync(0xffffffffu, (u.range_end - u.kv_begin + W::BK - 1) / W::BK, 0);
+  const int last_rows = u.range_end - u.kv_begin - (num_blocks - 1) * W::BK;  // keys of the last block
+  auto stat_ptr = [&](int which, int row) -> float* {
+    return reinterpret_cast<float*>(__cvta_shared_to_generic(base + W::STATS_OFF + (which * W::ROWS + row) * 4));
+  };
+  const uint32_t kb0 = W::buf_addr(base, 0), kb1 = W::buf_addr(base, 1), q_panels = base + W::Q_OFF;
+
+  // The first two blocks: WG0 loads their tiles 0-3 (and writes their key masks), WG1 tiles 4-8.
+  if (tid == 0) {
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {
+      if (blk >= num_blocks) break;
+      const Wide64Rows b = wide64_block_rows(p, u, blk);
+      if constexpr (HALF == 0) {
+        st_shared_u32(W::mask_addr(base, blk), b.ok);
+        wide64_load_tiles<0, 4>(maps, base, blk, b);
+      } else {
+        wide64_load_tiles<4, 9>(maps, base, blk, b);
+      }
+    }
+  }
+  // Queries: rows r = (token r / hb, head h0 + r % hb), padding rows zero; the latent part into
+  // the query panels, the rope part into P1's panel, from where each warpgroup takes it into registers.
+  load_query_tile<T, W::ROWS, W::kThreads>(p, u, h0, hb, rows, threadIdx.x, [&](int rr, int c) {
+    return c < 64 ? base + W::Q_OFF + WideSm90::chunk_offset(rr, c, W::QPANEL)
+                  : base + W::P1_OFF + WideSm90::chunk_offset(rr, c - 64, 0);
+  });
+  cp_async_wait_all();
+  fence_proxy_async_shared();  // the query panels reach wgmma's reads
+  named_barrier_sync(W::kBoth, W::kThreads);
+  uint32_t q_rope[4][4];
+  wide64_load_fragments(base + W::P1_OFF, q_rope, warp, lane);  // WG1 overwrites P1 only after signal A
+
+  const CacheScales scales = cache_scales<kCacheAsQuery>(p);
+  const float scale_log2[2] = {p.scale_log2 * scales.score, p.scale_log2 * scales.score};
+  // Masks and scales the scores of block blk (key0: its first key).
+  auto mask = [&](int blk, int key0) {
+    return [&, blk, key0](float (&x)[W::SACC]) {
+      const uint32_t ok = *reinterpret_cast<const uint32_t*>(__cvta_shared_to_generic(W::mask_addr(opaque(base), blk)));
+      if (ok == 3u && key0 + W::BK <= min(limit[0], limit[1])) {
+#pragma unroll
+        for (int i = 0; i < W::SACC; ++i) x[i] *= scale_log2[(i >> 1) & 1];
+        return;
+      }
+#pragma unroll
+      for (int j = 0; j < W::SACC / 4; ++j) {
+        const bool box_ok = (ok >> (j >> 2)) & 1;  // keys 8j .. 8j + 7 lie in box j / 4
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kl = 8 * j + 2 * t4 + (e & 1);
+          x[4 * j + e] = box_ok && key0 + kl < limit[e >> 1] ? x[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
+        }
+      }
+    };
+  };
+
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};
+  float s[W::SACC];
+  uint32_t pa[W::KSTEPS][4], pb[W::KSTEPS][4];
+
+  if constexpr (HALF == 0) {
+    if (num_blocks > 0) {
+      wide64_scores<T, true>(s, q_rope, base, kb0, 0, 0, true);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(s);
+    }
+  } else if (num_blocks > 1) {
+    wide64_scores<T, false>(s, q_rope, base, kb1, 1, 0, true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+  }
+
+  // Like v5b's consumers, the loop issues every wgmma on every trip (past the end on the query
+  // panels, dropped): a branch around one makes ptxas serialise every wgmma of the kernel (C7515).
+#pragma unroll 1
+  for (int pair = 0; 2 * pair < num_blocks; ++pair) {
+    const int blk_a = 2 * pair, blk_b = blk_a + 1;
+    const bool has_b = blk_b < num_blocks, next_a = blk_a + 2 < num_blocks, next_b = blk_b + 2 < num_blocks;
+    const int parity = pair & 1;
+    const int key0 = u.kv_begin + blk_a * W::BK;
+    const bool a_partial = blk_a == num_blocks - 1 && last_rows < W::BK;
+    const bool b_partial = blk_b == num_blocks - 1 && last_rows < W::BK;
+    // The rows of this pair's refills, read now so that they arrive during the softmax and PVs.
+    Wide64Rows rows_a = {}, rows_b = {};
+    if (tid == 0) {
+      if (next_a) rows_a = wide64_block_rows(p, u, blk_a + 2);
+      if (next_b) rows_b = wide64_block_rows(p, u, blk_b + 2);
+    }
+    if constexpr (HALF == 0) {
+      // ---- block A: softmax, m_A out, PV from registers ----
+      float m_a[2], alpha_a[2], sum_a[2];
+      softmax_block<true>(s, mask(blk_a, key0), m_run, m_a, alpha_a, sum_a);
+      if (t4 == 0) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxA, r[e]) = m_a[e];
+      }
+      mbar_arrive(W::a_ready_bar(base));
+      wide_pack_p<T>(s, pa);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * alpha_a[e] + sum_a[e];
+      wide_rescale<true>(o, alpha_a);
+      if (a_partial) wide64_zero_rows<0>(kb0, last_rows, tid);
+      wgmma_fence();
+      wide64_pv<T, 0>(o, pa, kb0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_fragments(pa);
+      if (tid == 0 && next_a) {  // block A's tiles 0-3 are read: block A + 2's go in
+        st_shared_u32(W::mask_addr(base, blk_a + 2), rows_a.ok);
+        wide64_load_tiles<0, 4>(maps, base, 0, rows_a);
+      }
+      // ---- m_B from WG1: P_A in its frame for WG1's PV, O_L to it ----
+      mbar_wait(W::b_ready_bar(base), parity);
+      float alpha_b[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float m_b = *stat_ptr(W::kMaxB, r[e]);
+        alpha_b[e] = m_b == m_a[e] ? 1.f : wide_alpha(m_a[e], m_b);
+        m_run[e] = m_b;
+      }
+      if (alpha_b[0] != 1.f || alpha_b[1] != 1.f) {
+#pragma unroll
+        for (int i = 0; i < W::SACC; ++i) s[i] *= alpha_b[(i >> 1) & 1];
+        wide_pack_p<T>(s, pa);
+      }
+      wide64_store_p(base + W::P0_OFF, pa, warp, lane);
+      fence_proxy_async_shared();  // P_A reaches WG1's wgmma reads
+      mbar_arrive(W::p0_ready_bar(base));
+#pragma unroll
+      for (int e = 0; e < 2; ++e) l_run[e] *= alpha_b[e];
+      wide_rescale<true>(o, alpha_b);
+      if (b_partial) wide64_zero_rows<0>(kb1, last_rows, tid);
+      mbar_wait(W::p1_ready_bar(base), parity);
+      // Without a block B, WG1 stored P_B = 0 and this adds 0 times the query panels.
+      wgmma_fence();
+      wide64_pv_shared_p<T, 0>(o, base + W::P1_OFF, has_b ? kb1 : q_panels);
+      wgmma_commit();
+      // The next S in two parts: tiles 0-3 (refilled above) go in before the refill of block B's
+      // tiles 0-3, tiles 4-8 (WG1 refills them last) after it, so that refill never waits for them.
+      wide64_scores<T, true, 0, 4>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1, next_a);
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_registers(o);
+      if (tid == 0 && next_b) {  // block B's tiles 0-3 are read (WG1's S before its signal, our PV now)
+        st_shared_u32(W::mask_addr(base, blk_b + 2), rows_b.ok);
+        wide64_load_tiles<0, 4>(maps, base, 1, rows_b);
+      }
+      wide64_scores<T, true, 4, 9>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1, next_a);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(s);
+    } else {
+      // ---- block B: softmax against m_A, m_B out ----
+      mbar_wait(W::a_ready_bar(base), parity);
+      float m_a[2], m_b[2], alpha_ab[2], sum_b[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) m_b[e] = m_a[e] = *stat_ptr(W::kMaxA, r[e]);
+      if (has_b) {
+        softmax_block<true>(s, mask(blk_b, key0 + W::BK), m_a, m_b, alpha_ab, sum_b);
+        wide_pack_p<T>(s, pb);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < W::KSTEPS; ++kk) pb[kk][0] = pb[kk][1] = pb[kk][2] = pb[kk][3] = 0u;
+      }
+      if (t4 == 0) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxB, r[e]) = m_b[e];
+      }
+      mbar_arrive(W::b_ready_bar(base));
+      // ---- O_R to m_B, then P_B V_B and P_A V_A back to back ----
+      float alpha_r[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        alpha_r[e] = m_b[e] == m_run[e] ? 1.f : wide_alpha(m_run[e], m_b[e]);
+        l_run[e] = l_run[e] * alpha_r[e] + sum_b[e];
+        m_run[e] = m_b[e];
+      }
+      wide64_store_p(base + W::P1_OFF, pb, warp, lane);
+      fence_proxy_async_shared();  // P_B reaches WG0's wgmma reads
+      mbar_arrive(W::p1_ready_bar(base));
+      wide_rescale<true>(o, alpha_r);
+      if (b_partial) wide64_zero_rows<1>(kb1, last_rows, tid);
+      wgmma_fence();
+      wide64_pv<T, 1>(o, pb, has_b ? kb1 : q_panels);
+      wgmma_commit();
+      if (a_partial) wide64_zero_rows<1>(kb0, last_rows, tid);
+      mbar_wait(W::p0_ready_bar(base), parity);
+      wide64_pv_shared_p<T, 1>(o, base + W::P0_OFF, kb0);
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_fragments(pb);
+      if (tid == 0 && next_b) wide64_load_tiles<4, 9>(maps, base, 1, rows_b);  // block B's tiles 4-8 are read
+      wgmma_wait<0>();
+      fence_registers(o);
+      if (tid == 0 && next_a) wide64_load_tiles<4, 9>(maps, base, 0, rows_a);  // block A's tiles 4-8 are read
+      wide64_scores<T, false>(s, q_rope, base, next_b ? kb1 : q_panels, 1, parity ^ 1, next_b);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(s);
+    }
+  }
+
+  store_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out,
+                            [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); }, W::kBoth, W::kThreads);
+}
+
+// Whether a unit of a 16-bit cache takes this body: TMA maps made (page size >= 32) and a
+// 32-aligned start (every box in one page; the planner splits at multiples of 64).
+__device__ __forceinline__ bool wide64_takes(const KeyTensorMaps& maps, const Unit& u) {
+  return maps.enabled && (u.kv_begin & (Wide64Sm90::BOX - 1)) == 0;
+}
+
+// The body: barriers, then the two warpgroups (threads 0-255; the caller has sent the rest away).
+template <typename T>
+__device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
+                                                   int hb, uint32_t base) {
+  using W = Wide64Sm90;
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < 2; ++b)
+      for (int t = 0; t < W::TILES; ++t) mbar_init(W::full_bar(base, b, t), 1);
+    mbar_init(W::a_ready_bar(base), 128);
+    mbar_init(W::b_ready_bar(base), 128);
+    mbar_init(W::p0_ready_bar(base), 128);
+    mbar_init(W::p1_ready_bar(base), 128);
+    mbar_init_fence();
+  }
+  named_barrier_sync(W::kBoth, W::kThreads);
+  if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 0) {
+    wide64_warpgroup<T, 0>(p, maps, u, h0, hb, base);
+  } else {
+    wide64_warpgroup<T, 1>(p, maps, u, h0, hb, base);
+  }
+}
+
+}  // namespace cuda
+}  // namespace jax_mla

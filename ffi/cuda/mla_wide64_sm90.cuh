@@ -71,13 +71,12 @@ struct Wide64Sm90 {
   static __device__ __forceinline__ uint32_t full_bar(uint32_t base, int buf, int tile) {
     return base + BAR_OFF + (buf * TILES + tile) * 8;
   }
-  // WG0 -> WG1: m_A is in shared memory; WG1 -> WG0: m_B is. One phase per pair, all 128 threads
-  // of the sender arrive (as on the two below).
-  static __device__ __forceinline__ uint32_t a_ready_bar(uint32_t base) { return base + BAR_OFF + 2 * TILES * 8; }
-  static __device__ __forceinline__ uint32_t b_ready_bar(uint32_t base) { return a_ready_bar(base) + 8; }
-  // WG0 -> WG1: P_A (in m_B's frame) is in P0; WG1 -> WG0: P_B is in P1.
-  static __device__ __forceinline__ uint32_t p0_ready_bar(uint32_t base) { return a_ready_bar(base) + 16; }
-  static __device__ __forceinline__ uint32_t p1_ready_bar(uint32_t base) { return a_ready_bar(base) + 24; }
+  // The hand-offs between the warpgroups, one phase per pair: WG0 -> WG1, m_A is in shared memory;
+  // WG1 -> WG0, m_B is; WG0 -> WG1, P_A (in m_B's frame) is in P0; WG1 -> WG0, P_B is in P1.
+  enum Handoff : int { kAReady = 0, kBReady = 1, kP0Ready = 2, kP1Ready = 3 };
+  static __device__ __forceinline__ uint32_t handoff_bar(uint32_t base, int h) {
+    return base + BAR_OFF + (2 * TILES + h) * 8;
+  }
   static __device__ __forceinline__ uint32_t buf_addr(uint32_t base, int buf) { return base + K_OFF + buf * BUF; }
   // Block n lives in buffer n % 2 for the (n / 2)-th time.
   static __device__ __forceinline__ uint32_t mask_addr(uint32_t base, int blk) {
@@ -88,6 +87,14 @@ struct Wide64Sm90 {
                 "swizzle atoms stay aligned");
   static_assert(BAR_OFF % 8 == 0, "mbarriers are 8-byte aligned");
 };
+
+// Hand-off h, an mbarrier: all 128 threads of the sender signal, all 128 of the receiver wait
+// (parity: the pair's). Named barriers instead (the sender arriving without waiting) were no
+// faster, and racecheck does not see the ordering they give (NOTES.md, "v8f").
+__device__ __forceinline__ void handoff_signal(int h, uint32_t base) { mbar_arrive(Wide64Sm90::handoff_bar(base, h)); }
+__device__ __forceinline__ void handoff_wait(int h, uint32_t base, int parity) {
+  mbar_wait(Wide64Sm90::handoff_bar(base, h), parity);
+}
 
 // The cache rows of a block's two TMA boxes (keys 0-31 and 32-63) and which of them hold usable
 // keys. A box on a page id outside the cache reads rows before the tensor, which TMA fills with
@@ -337,7 +344,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
 #pragma unroll
         for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxA, r[e]) = m_a[e];
       }
-      mbar_arrive(W::a_ready_bar(base));
+      handoff_signal(W::kAReady, base);
       wide_pack_p<T>(s, pa);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * alpha_a[e] + sum_a[e];
@@ -354,7 +361,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
         wide64_load_tiles<0, 4>(maps, base, 0, rows_a);
       }
       // ---- m_B from WG1: P_A in its frame for WG1's PV, O_L to it ----
-      mbar_wait(W::b_ready_bar(base), parity);
+      handoff_wait(W::kBReady, base, parity);
       float alpha_b[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -369,12 +376,12 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       }
       wide64_store_p(base + W::P0_OFF, pa, warp, lane);
       fence_proxy_async_shared();  // P_A reaches WG1's wgmma reads
-      mbar_arrive(W::p0_ready_bar(base));
+      handoff_signal(W::kP0Ready, base);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] *= alpha_b[e];
       wide_rescale<true>(o, alpha_b);
       if (b_partial) wide64_zero_rows<0>(kb1, last_rows, tid);
-      mbar_wait(W::p1_ready_bar(base), parity);
+      handoff_wait(W::kP1Ready, base, parity);
       // Without a block B, WG1 stored P_B = 0 and this adds 0 times the query panels.
       wgmma_fence();
       wide64_pv_shared_p<T, 0>(o, base + W::P1_OFF, has_b ? kb1 : q_panels);
@@ -395,7 +402,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       fence_registers(s);
     } else {
       // ---- block B: softmax against m_A, m_B out ----
-      mbar_wait(W::a_ready_bar(base), parity);
+      handoff_wait(W::kAReady, base, parity);
       float m_a[2], m_b[2], alpha_ab[2], sum_b[2] = {0.f, 0.f};
 #pragma unroll
       for (int e = 0; e < 2; ++e) m_b[e] = m_a[e] = *stat_ptr(W::kMaxA, r[e]);
@@ -410,7 +417,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
 #pragma unroll
         for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxB, r[e]) = m_b[e];
       }
-      mbar_arrive(W::b_ready_bar(base));
+      handoff_signal(W::kBReady, base);
       // ---- O_R to m_B, then P_B V_B and P_A V_A back to back ----
       float alpha_r[2];
 #pragma unroll
@@ -421,14 +428,14 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       }
       wide64_store_p(base + W::P1_OFF, pb, warp, lane);
       fence_proxy_async_shared();  // P_B reaches WG0's wgmma reads
-      mbar_arrive(W::p1_ready_bar(base));
+      handoff_signal(W::kP1Ready, base);
       wide_rescale<true>(o, alpha_r);
       if (b_partial) wide64_zero_rows<1>(kb1, last_rows, tid);
       wgmma_fence();
       wide64_pv<T, 1>(o, pb, has_b ? kb1 : q_panels);
       wgmma_commit();
       if (a_partial) wide64_zero_rows<1>(kb0, last_rows, tid);
-      mbar_wait(W::p0_ready_bar(base), parity);
+      handoff_wait(W::kP0Ready, base, parity);
       wide64_pv_shared_p<T, 1>(o, base + W::P0_OFF, kb0);
       wgmma_commit();
       wgmma_wait<1>();
@@ -462,10 +469,7 @@ __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTe
   if (threadIdx.x == 0) {
     for (int b = 0; b < 2; ++b)
       for (int t = 0; t < W::TILES; ++t) mbar_init(W::full_bar(base, b, t), 1);
-    mbar_init(W::a_ready_bar(base), 128);
-    mbar_init(W::b_ready_bar(base), 128);
-    mbar_init(W::p0_ready_bar(base), 128);
-    mbar_init(W::p1_ready_bar(base), 128);
+    for (int h = 0; h < 4; ++h) mbar_init(W::handoff_bar(base, h), 128);
     mbar_init_fence();
   }
   named_barrier_sync(W::kBoth, W::kThreads);

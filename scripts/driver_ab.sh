@@ -66,6 +66,7 @@ import collections, glob, re, statistics, sys
 logs, names = sys.argv[1], sys.argv[2:]
 t = collections.defaultdict(lambda: collections.defaultdict(list))
 ev = collections.defaultdict(lambda: collections.defaultdict(list))
+after = collections.defaultdict(lambda: collections.defaultdict(list))
 for n in names:
     for f in glob.glob(f"{logs}/time_{n}_*.log"):
         for line in open(f):
@@ -76,6 +77,9 @@ for n in names:
                           r"merge ([\d.]+) chained / ([\d.]+) alone", line)
             if e:
                 ev[e.group(1)][n].append(tuple(float(e.group(i)) for i in range(2, 6)))
+            a = re.search(r"/(time\d+_\S+?)\.bin.*attention after an empty kernel ([\d.]+), after an L2 sweep ([\d.]+)", line)
+            if a:
+                after[a.group(1)][n].append((float(a.group(2)), float(a.group(3))))
 order = lambda s: int(re.match(r"time(\d+)", s).group(1))
 
 
@@ -93,5 +97,8 @@ table("median over rounds, us: op / attention alone", t, 16, lambda v: f"{med(v,
 if ev:
     table("median over rounds, us, by events: attention chained/alone, merge chained/alone", ev, 26,
           lambda v: f"{med(v, 0):.1f}/{med(v, 1):.1f}, {med(v, 2):.1f}/{med(v, 3):.1f}")
+if after:
+    table("median over rounds, us, by events: attention after an empty kernel / after an L2 sweep", after, 16,
+          lambda v: f"{med(v, 0):.1f}/{med(v, 1):.1f}")
 EOF
 tar czf "$OUT/driver_ab.tar.gz" -C /tmp driver_ab

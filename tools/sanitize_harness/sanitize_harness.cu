@@ -141,6 +141,12 @@ __global__ void fill_random_fp8(unsigned char* x, size_t n, uint32_t seed) {
 }
 
 __global__ void empty_kernel() {}
+// Writes n float4 of zeros: with more bytes than L2 holds, evicts everything the kernels before read.
+__global__ void sweep_kernel(float4* buf, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    buf[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+constexpr size_t kSweepBytes = size_t{96} << 20;
 
 template <typename T>
 static T* device_random(size_t n, uint32_t seed) {
@@ -288,6 +294,8 @@ static void time_case(Problem p, const char* name) {
   // every launch), against the same events around each kernel in a chain of its own kind: which of
   // the two costs more when they follow each other than when they run alone.
   float chained[2], alone[2];
+  float4* sweep = nullptr;
+  CHECK(cudaMalloc(&sweep, kSweepBytes));
   event_split_us(stream, n, sets, [&](int i, int k) {
     if (k == 0) {
       CHECK(launch_attn(ps[i], stream));
@@ -295,11 +303,30 @@ static void time_case(Problem p, const char* name) {
       launch_merge_plain(ps[i]);
     }
   }, chained, alone);
+  // The attention after two other kernels instead of the merge: an empty one (a kernel switch and
+  // nothing else) and one that writes 96 MB (L2 holds none of what the attention read before).
+  float after_empty[2], after_sweep[2], unused[2];
+  event_split_us(stream, n, sets, [&](int i, int k) {
+    if (k == 0) {
+      CHECK(launch_attn(ps[i], stream));
+    } else {
+      empty_kernel<<<132, 256, 0, stream>>>();
+    }
+  }, after_empty, unused);
+  event_split_us(stream, n, sets, [&](int i, int k) {
+    if (k == 0) {
+      CHECK(launch_attn(ps[i], stream));
+    } else {
+      sweep_kernel<<<2 * 132, 256, 0, stream>>>(sweep, kSweepBytes / sizeof(float4));
+    }
+  }, after_sweep, unused);
   std::printf("time %s (cache %d, W=%d M=%d sets=%d): op %.1f us | attention alone %.1f | merge alone %.1f | empty kernel %.1f"
               " | op with merge grid %d/%d/%d: %.1f/%.1f/%.1f | op without PDL %.1f"
-              " | events: attention %.1f chained / %.1f alone, merge %.1f chained / %.1f alone\n",
+              " | events: attention %.1f chained / %.1f alone, merge %.1f chained / %.1f alone"
+              " | attention after an empty kernel %.1f, after an L2 sweep %.1f\n",
               name, kCache, p.num_work, p.num_merge, sets, full, attn, merge, empty, grids[0], grids[1], grids[2], grid_us[0],
-              grid_us[1], grid_us[2], no_pdl, chained[0], alone[0], chained[1], alone[1]);
+              grid_us[1], grid_us[2], no_pdl, chained[0], alone[0], chained[1], alone[1], after_empty[0], after_sweep[0]);
+  CHECK(cudaFree(sweep));
   for (auto& q : ps)
     for (const void* ptr : {q.q_nope, q.q_pe, q.ckv, q.kpe}) CHECK(cudaFree(const_cast<void*>(ptr)));
   for (void* ptr : {out, lse, po, pl, (void*)scales}) CHECK(cudaFree(ptr));

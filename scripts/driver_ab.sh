@@ -77,9 +77,10 @@ for n in names:
                           r"merge ([\d.]+) chained / ([\d.]+) alone", line)
             if e:
                 ev[e.group(1)][n].append(tuple(float(e.group(i)) for i in range(2, 6)))
-            a = re.search(r"/(time\d+_\S+?)\.bin.*attention after an empty kernel ([\d.]+), after an L2 sweep ([\d.]+)", line)
+            a = re.search(r"/(time\d+_\S+?)\.bin.*attention after an empty kernel ([\d.]+), after an L2 sweep "
+                          r"([\d.]+), after a code sweep ([\d.]+)", line)
             if a:
-                after[a.group(1)][n].append((float(a.group(2)), float(a.group(3))))
+                after[a.group(1)][n].append(tuple(float(a.group(i)) for i in range(2, 5)))
 order = lambda s: int(re.match(r"time(\d+)", s).group(1))
 
 
@@ -98,7 +99,7 @@ if ev:
     table("median over rounds, us, by events: attention chained/alone, merge chained/alone", ev, 26,
           lambda v: f"{med(v, 0):.1f}/{med(v, 1):.1f}, {med(v, 2):.1f}/{med(v, 3):.1f}")
 if after:
-    table("median over rounds, us, by events: attention after an empty kernel / after an L2 sweep", after, 16,
-          lambda v: f"{med(v, 0):.1f}/{med(v, 1):.1f}")
+    table("median over rounds, us, by events: attention after an empty kernel / an L2 sweep / a code sweep", after,
+          22, lambda v: f"{med(v, 0):.1f}/{med(v, 1):.1f}/{med(v, 2):.1f}")
 EOF
 tar czf "$OUT/driver_ab.tar.gz" -C /tmp driver_ab

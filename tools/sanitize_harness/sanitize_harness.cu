@@ -12,7 +12,8 @@
 //        of its attention kernel alone, its merge kernel alone and of an empty
 //        kernel: CUDA graphs of 20 calls on random device data, caches rotated;
 //        then each kernel timed by events inside the attention / merge chain and
-//        in a chain of its own kind)
+//        in a chain of its own kind, and the attention after an empty kernel, an L2
+//        sweep and a code sweep)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -147,6 +148,14 @@ __global__ void sweep_kernel(float4* buf, size_t n) {
     buf[i] = make_float4(0.f, 0.f, 0.f, 0.f);
 }
 constexpr size_t kSweepBytes = size_t{96} << 20;
+// About 96 KB of code (6144 fma) and no memory traffic: evicts the other kernels' instructions from
+// the SMs' instruction caches, as any large kernel between two attention calls does.
+__global__ void code_sweep_kernel(float* sink, float a, float b) {
+  float x = threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < 6144; ++i) asm volatile("fma.rn.f32 %0, %0, %1, %2;" : "+f"(x) : "f"(a), "f"(b));
+  if (x == 12345.f) sink[0] = x;  // never: keeps the chain live
+}
 
 template <typename T>
 static T* device_random(size_t n, uint32_t seed) {
@@ -303,9 +312,10 @@ static void time_case(Problem p, const char* name) {
       launch_merge_plain(ps[i]);
     }
   }, chained, alone);
-  // The attention after two other kernels instead of the merge: an empty one (a kernel switch and
-  // nothing else) and one that writes 96 MB (L2 holds none of what the attention read before).
-  float after_empty[2], after_sweep[2], unused[2];
+  // The attention after three other kernels instead of the merge: an empty one (a kernel switch
+  // and nothing else), one that writes 96 MB (L2 holds none of what the attention read before) and
+  // one of 96 KB of code (the attention's instructions are no longer cached).
+  float after_empty[2], after_sweep[2], after_code[2], unused[2];
   event_split_us(stream, n, sets, [&](int i, int k) {
     if (k == 0) {
       CHECK(launch_attn(ps[i], stream));
@@ -320,12 +330,20 @@ static void time_case(Problem p, const char* name) {
       sweep_kernel<<<2 * 132, 256, 0, stream>>>(sweep, kSweepBytes / sizeof(float4));
     }
   }, after_sweep, unused);
+  event_split_us(stream, n, sets, [&](int i, int k) {
+    if (k == 0) {
+      CHECK(launch_attn(ps[i], stream));
+    } else {
+      code_sweep_kernel<<<132, 128, 0, stream>>>(reinterpret_cast<float*>(sweep), 1.0001f, 0.5f);
+    }
+  }, after_code, unused);
   std::printf("time %s (cache %d, W=%d M=%d sets=%d): op %.1f us | attention alone %.1f | merge alone %.1f | empty kernel %.1f"
               " | op with merge grid %d/%d/%d: %.1f/%.1f/%.1f | op without PDL %.1f"
               " | events: attention %.1f chained / %.1f alone, merge %.1f chained / %.1f alone"
-              " | attention after an empty kernel %.1f, after an L2 sweep %.1f\n",
+              " | attention after an empty kernel %.1f, after an L2 sweep %.1f, after a code sweep %.1f\n",
               name, kCache, p.num_work, p.num_merge, sets, full, attn, merge, empty, grids[0], grids[1], grids[2], grid_us[0],
-              grid_us[1], grid_us[2], no_pdl, chained[0], alone[0], chained[1], alone[1], after_empty[0], after_sweep[0]);
+              grid_us[1], grid_us[2], no_pdl, chained[0], alone[0], chained[1], alone[1], after_empty[0], after_sweep[0],
+              after_code[0]);
   CHECK(cudaFree(sweep));
   for (auto& q : ps)
     for (const void* ptr : {q.q_nope, q.q_pe, q.ckv, q.kpe}) CHECK(cudaFree(const_cast<void*>(ptr)));

@@ -1,0 +1,116 @@
+"""SASS size of the CUDA kernels, and of the wide bodies' hot loops, without a GPU.
+
+The wide bodies pay for their code: after another kernel has run, every SM fetches the loops'
+instructions again (ffi/cuda/NOTES.md, "v8f": 5-11 us a call), and in the steady state the two
+warpgroups' loops compete for the instruction cache. This compiles ffi/cuda/mla_attention.cu (or
+the sources in --src, e.g. a directory made by `scripts/driver_ab.sh --export`) for sm_90a into a
+cubin and reads it with nvdisasm:
+
+    python3 tools/sass_size.py [--src DIR] [--defines -DMACRO ...] [--cubin PATH]
+
+It prints the SASS instructions of every kernel, then, for each sm_90a kernel, the loops that hold
+more than eight wgmma (HGMMA) instructions: their length and their FMUL / R2UR / UTMALDG counts.
+nvdisasm comes from the CUDA toolkit on PATH or from the PyPI wheel `nvidia-cuda-nvdisasm` (its
+binary is found inside the installed package); neither is a dependency of jax_mla.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+INSTR = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(.*?);")
+LABEL = re.compile(r"\s*(\.L_x_\d+):")
+BRANCH = re.compile(r"BRA\s+`?\(?(\.L_x_\d+)")
+
+
+def find_nvdisasm() -> str:
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        for candidate in pathlib.Path(base).glob("cu*/bin/nvdisasm"):
+            return str(candidate)
+    sys.exit("nvdisasm not found: put the CUDA toolkit on PATH or `pip install nvidia-cuda-nvdisasm`")
+
+
+def build_cubin(src: pathlib.Path, defines: list[str], out: pathlib.Path) -> None:
+    import jax  # the XLA FFI headers the sources include
+
+    cmd = ["nvcc", "-DJAX_MLA_SM90A_BUILT=1", *defines, f"-I{src}", f"-I{ROOT / 'ffi/include'}",
+           "-isystem", jax.ffi.include_dir(), "-O3", "-DNDEBUG", "-std=c++17", "-cubin", "-arch=sm_90a",
+           "--expt-relaxed-constexpr", "-x", "cu", str(src / "mla_attention.cu"), "-o", str(out)]
+    subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL)
+
+
+def kernels(sass: str) -> dict[str, list[tuple[int, str, dict[str, int]]]]:
+    """Each kernel's instructions (address, text) and its labels' addresses."""
+    out = {}
+    for chunk in re.split(r"\n\s*\.section\s+", sass):
+        m = re.search(r"\.text\.(\S+?):", chunk)
+        if not m:
+            continue
+        ins, labels, pending = [], {}, []
+        for line in chunk.split("\n"):
+            lab = LABEL.match(line)
+            if lab:
+                pending.append(lab.group(1))
+                continue
+            i = INSTR.match(line)
+            if i:
+                addr = int(i.group(1), 16)
+                ins.append((addr, i.group(2)))
+                labels.update({p: addr for p in pending})
+                pending = []
+        out[m.group(1)] = (ins, labels)
+    return out
+
+
+def hot_loops(ins, labels, min_wgmma=8, max_len=4000):
+    """Backward branches that close a loop of more than min_wgmma HGMMA (the mbarrier retry stubs
+    the compiler puts at the end of the kernel span the whole body and are left out by max_len)."""
+    wgmma = [a for a, t in ins if "HGMMA" in t]
+    for addr, text in ins:
+        m = BRANCH.search(text)
+        if not m or m.group(1) not in labels:
+            continue
+        start = labels[m.group(1)]
+        n_wgmma = sum(1 for a in wgmma if start <= a <= addr)
+        length = (addr - start) // 16 + 1
+        if start < addr and n_wgmma > min_wgmma and length < max_len:
+            ops = collections.Counter(t.split()[1 if t.startswith("@") else 0].split(".")[0]
+                                      for a, t in ins if start <= a <= addr)
+            yield start, length, n_wgmma, ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--src", type=pathlib.Path, default=ROOT / "ffi/cuda")
+    ap.add_argument("--defines", nargs="*", default=[])
+    ap.add_argument("--cubin", type=pathlib.Path, help="read this cubin instead of compiling")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = args.cubin or pathlib.Path(tmp) / "mla.cubin"
+        if not args.cubin:
+            build_cubin(args.src.resolve(), args.defines, cubin)
+        sass = subprocess.run([find_nvdisasm(), str(cubin)], check=True, capture_output=True, text=True).stdout
+    found = kernels(sass)
+    for name, (ins, labels) in sorted(found.items(), key=lambda kv: -len(kv[1][0])):
+        print(f"{len(ins):6d}  {name}")
+        for start, length, n_wgmma, ops in hot_loops(ins, labels):
+            print(f"        loop at {start:#x}: {length} instructions, {n_wgmma} HGMMA, FMUL {ops['FMUL']}, "
+                  f"R2UR {ops['R2UR']}, UTMALDG {ops['UTMALDG']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -74,15 +74,19 @@ inline bool use_sm90_kernel() {
 #endif
 }
 
-// Raises a kernel's dynamic shared-memory limit once per device.
-template <typename Kernel>
-inline cudaError_t raise_smem_limit(std::atomic<int> (&cache)[kMaxDevices], Kernel kernel, int bytes) {
+// Launches kKernel with `smem_bytes` of dynamic shared memory, raising its limit first (once per
+// device and kernel: the cache is this instance's own).
+template <auto kKernel, typename... Args>
+inline cudaError_t launch_with_smem(int blocks, int threads, int smem_bytes, cudaStream_t stream, const Args&... args) {
+  static std::atomic<int> raised[kMaxDevices] = {};
   cudaError_t err = cudaSuccess;
-  per_device_once(cache, [&](int) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  per_device_once(raised, [&](int) {
+    err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     return err == cudaSuccess ? 2 : 0;
   });
-  return err;
+  if (err != cudaSuccess) return err;
+  kKernel<<<blocks, threads, smem_bytes, stream>>>(args...);
+  return cudaGetLastError();
 }
 
 // cuTensorMapEncodeTiled from the driver, found once through the runtime (no
@@ -151,25 +155,15 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
         // (fewer heads, whatever the q_len) are bound by the copy and keep v5b's deeper ring
         // (ffi/cuda/NOTES.md, "v8").
         if (maps.enabled && p.num_heads >= Wide64Sm90::ROWS) {
-          static std::atomic<int> raised[kMaxDevices] = {};
-          const cudaError_t err =
-              raise_smem_limit(raised, mla_attention_sm90_kernel<T, kCache, true>, kSm90SmemBytes);
-          if (err != cudaSuccess) return err;
-          mla_attention_sm90_kernel<T, kCache, true><<<blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream>>>(p, maps);
-          return cudaGetLastError();
+          return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true>>(blocks, Wide64Sm90::kThreads,
+                                                                               kSm90SmemBytes, stream, p, maps);
         }
       }
 #endif
-      static std::atomic<int> raised[kMaxDevices] = {};
-      const cudaError_t err = raise_smem_limit(raised, mla_attention_sm90_kernel<T, kCache>, kSm90SmemBytes);
-      if (err != cudaSuccess) return err;
-      mla_attention_sm90_kernel<T, kCache><<<blocks, WideSm90::kThreads, kSm90SmemBytes, stream>>>(p, maps);
-    } else {
-      static std::atomic<int> raised[kMaxDevices] = {};
-      const cudaError_t err = raise_smem_limit(raised, mla_attention_kernel<T, kCache>, kAttentionSmemBytes);
-      if (err != cudaSuccess) return err;
-      mla_attention_kernel<T, kCache><<<blocks, kThreads, kAttentionSmemBytes, stream>>>(p);
+      return launch_with_smem<mla_attention_sm90_kernel<T, kCache>>(blocks, WideSm90::kThreads, kSm90SmemBytes,
+                                                                    stream, p, maps);
     }
+    return launch_with_smem<mla_attention_kernel<T, kCache>>(blocks, kThreads, kAttentionSmemBytes, stream, p);
   }
   return cudaGetLastError();
 }

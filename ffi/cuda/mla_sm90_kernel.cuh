@@ -1,8 +1,8 @@
-// The sm_90a kernel of the paged MLA op: one block per work unit and head block, 384 threads.
+// The sm_90a kernel of the paged MLA op: one block per work unit and head block.
 // Units of at most 16 query rows take the narrow body (mla_narrow_kernel.cuh); wider units take a
-// wgmma body. Two instances per cache: kWide64 (launched for 16-bit caches read by TMA, page size
-// >= 32) holds the two-warpgroup body of 64-key blocks (mla_wide64_sm90.cuh); the other the
-// producer / two-consumer body (mla_wide_sm90.cuh). Each instance holds only its own wide body, so
+// wgmma body. Two instances per cache: kWide64 (256 threads; launched for 16-bit caches read by
+// TMA with 64 heads or more, mla_launch.cuh) holds the two-warpgroup body of 64-key blocks
+// (mla_wide64_sm90.cuh); the other (384 threads) the producer / two-consumer body (mla_wide_sm90.cuh). Each instance holds only its own wide body, so
 // that ptxas makes of one what it would alone. An fp8 kpe takes the portable wide body
 // (mla_attention_kernel.cuh).
 #pragma once
@@ -44,8 +44,9 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   // A unit start off a 32-key boundary cannot take the 64-key body's TMA boxes; this library's
   // planner splits at multiples of 64, so only another plan would send one here: the portable body.
   const bool portable = !kWgmmaCache || (kWide64 && !wide64_takes(maps, u));
-  // The narrow body (and the portable wide body) are two warpgroups; the third hands them its
-  // registers (the bodies want more than the 168 a thread gets at entry) and leaves.
+  // The narrow body (and the portable wide body) are two warpgroups; in the 384-thread instance the
+  // third hands them its registers (the bodies want more than the 168 a thread gets at entry) and
+  // leaves.
   if (rows <= 16 || portable) {
     if constexpr (!kWide64) {
       if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {

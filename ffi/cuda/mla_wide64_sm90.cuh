@@ -1,6 +1,7 @@
 // The wide body for 16-bit caches read by TMA (page size >= 32): two warpgroups, no producer,
-// 64-key blocks (ffi/cuda/NOTES.md, "v8"). mla_wide_sm90.cuh's body (v5b) keeps the rest:
-// fp8 caches, page sizes below 32, unit starts off a 32-key boundary.
+// 64-key blocks (ffi/cuda/NOTES.md, "v8", "v8f"), launched for 64 heads or more (mla_launch.cuh).
+// mla_wide_sm90.cuh's body (v5b) keeps the rest: fewer heads, fp8 caches, page sizes below 32; a
+// unit start off a 32-key boundary takes the portable body.
 //
 // One block = one work unit x 64 rows (padding rows zero). Shared memory holds the latent
 // queries (eight 128-byte-swizzled panels of 64 dims), two key buffers of one 64-key block each
@@ -172,8 +173,8 @@ __device__ __forceinline__ void wide64_scores(float (&s)[Wide64Sm90::SACC], cons
   }
 }
 
-// P fragments to / from a 64 x 64 panel in the 128-byte swizzle (chunk c of row r at c ^ (r & 7)):
-// the K-major A operand of the other warpgroup's wgmma, or its ldmatrix.
+// P fragments to a 64 x 64 panel in the 128-byte swizzle (chunk c of row r at c ^ (r & 7)): the
+// K-major A operand of the other warpgroup's wgmma.
 __device__ __forceinline__ void wide64_store_p(uint32_t buf, const uint32_t (&pa)[Wide64Sm90::KSTEPS][4], int warp,
                                                int lane) {
   buf = opaque(buf);
@@ -187,6 +188,7 @@ __device__ __forceinline__ void wide64_store_p(uint32_t buf, const uint32_t (&pa
     st_shared_u32(r1 + (((2 * kk + 1) ^ g) << 4), pa[kk][3]);
   }
 }
+// The A fragments of KS k16 steps from such a panel, by ldmatrix (the queries' rope panel).
 template <int KS>
 __device__ __forceinline__ void wide64_load_fragments(uint32_t panel, uint32_t (&a)[KS][4], int warp, int lane) {
   panel = opaque(panel);

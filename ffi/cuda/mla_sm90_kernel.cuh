@@ -64,11 +64,11 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
     return;
   }
 #ifdef JAX_MLA_HAS_WGMMA
+  uint32_t base = smem_addr(smem);
+  base += (1024 - (base & 1023)) & 1023;  // the 128-byte swizzle's atoms are 1024-byte aligned
   if constexpr (kWide64) {
     // The two-warpgroup body of 64-key blocks.
     finish_unit(p, u);
-    uint32_t base = smem_addr(smem);
-    base += (1024 - (base & 1023)) & 1023;
     attend_unit_wide64<T>(p, maps, u, h0, hb, base);
   } else if constexpr (kWgmmaCache) {
     using W = WideSm90;
@@ -78,8 +78,6 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
     // (wide_producer_fp8) only the 64 loader threads do that (on the rope group and on each half's
     // raw barrier), and the 32 threads of the converting warp arrive on each half's full barrier.
     constexpr int kLoaders = kFp8 ? 64 : 128, kLoaderWarps = kLoaders / 32;
-    uint32_t base = smem_addr(smem);
-    base += (1024 - (base & 1023)) & 1023;
     finish_unit(p, u);
     if (threadIdx.x == 0) {
       for (int s = 0; s < W::STAGES; ++s)

@@ -275,17 +275,17 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   fence_proxy_async_shared();  // the query panels reach wgmma's reads
   named_barrier_sync(W::kBoth, W::kThreads);
   uint32_t q_rope[4][4];
-  wide64_load_fragments(base + W::P1_OFF, q_rope, warp, lane);  // WG1 overwrites P1 only after signal A
+  wide64_load_fragments(base + W::P1_OFF, q_rope, warp, lane);  // WG1 overwrites P1 only after the m_A hand-off
 
   const CacheScales scales = cache_scales<kCacheAsQuery>(p);
-  const float scale_log2[2] = {p.scale_log2 * scales.score, p.scale_log2 * scales.score};
+  const float scale_log2 = p.scale_log2 * scales.score;  // the same for every row (16-bit cache)
   // Masks and scales the scores of block blk (key0: its first key).
   auto mask = [&](int blk, int key0) {
     return [&, blk, key0](float (&x)[W::SACC]) {
       const uint32_t ok = *reinterpret_cast<const uint32_t*>(__cvta_shared_to_generic(W::mask_addr(opaque(base), blk)));
       if (ok == 3u && key0 + W::BK <= min(limit[0], limit[1])) {
 #pragma unroll
-        for (int i = 0; i < W::SACC; ++i) x[i] *= scale_log2[(i >> 1) & 1];
+        for (int i = 0; i < W::SACC; ++i) x[i] *= scale_log2;
         return;
       }
 #pragma unroll
@@ -294,7 +294,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int kl = 8 * j + 2 * t4 + (e & 1);
-          x[4 * j + e] = box_ok && key0 + kl < limit[e >> 1] ? x[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
+          x[4 * j + e] = box_ok && key0 + kl < limit[e >> 1] ? x[4 * j + e] * scale_log2 : -INFINITY;
         }
       }
     };

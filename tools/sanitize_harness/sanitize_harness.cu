@@ -196,44 +196,52 @@ static float graph_us(cudaStream_t stream, int n, F calls) {
   return ms[ms.size() / 2] * 1000.f / n;
 }
 
-// Median device time of kernel kind k (0, 1) with events around every launch: `chained[k]` with the
-// two kinds alternating (launch(i, 0), launch(i, 1), launch(i + 1, 0), ...), `alone[k]` in a run
-// of kind k only; i cycles over `sets` input sets. Events add a little to each time (the same in
-// both columns), so compare the two columns, not these with the graph times.
+// Event times (us) of every launch of step(0), ..., step(steps - 1), events around each: four
+// rounds, the first a warm-up. Events add a little to each time, so compare these with each other,
+// not with the graph times.
 template <typename F>
-static void event_split_us(cudaStream_t stream, int n, int sets, F launch, float (&chained)[2], float (&alone)[2]) {
-  std::vector<cudaEvent_t> ev(2 * n + 1);
+static std::vector<float> event_intervals_us(cudaStream_t stream, int steps, F step) {
+  std::vector<cudaEvent_t> ev(steps + 1);
   for (auto& e : ev) CHECK(cudaEventCreate(&e));
-  // The time of every launch of `steps` launches, step(j) the j-th: four rounds, the first a warm-up.
-  auto intervals = [&](int steps, auto step) {
-    std::vector<float> us;
-    for (int r = 0; r < 4; ++r) {
-      CHECK(cudaEventRecord(ev[0], stream));
-      for (int j = 0; j < steps; ++j) {
-        step(j);
-        CHECK(cudaEventRecord(ev[j + 1], stream));
-      }
-      CHECK(cudaEventSynchronize(ev[steps]));
-      for (int j = 0; r > 0 && j < steps; ++j) {
-        float ms = 0.f;
-        CHECK(cudaEventElapsedTime(&ms, ev[j], ev[j + 1]));
-        us.push_back(ms * 1000.f);
-      }
+  std::vector<float> us;
+  for (int r = 0; r < 4; ++r) {
+    CHECK(cudaEventRecord(ev[0], stream));
+    for (int j = 0; j < steps; ++j) {
+      step(j);
+      CHECK(cudaEventRecord(ev[j + 1], stream));
     }
-    return us;
-  };
-  auto median_of = [](std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  const std::vector<float> both = intervals(2 * n, [&](int j) { launch((j / 2) % sets, j & 1); });
+    CHECK(cudaEventSynchronize(ev[steps]));
+    for (int j = 0; r > 0 && j < steps; ++j) {
+      float ms = 0.f;
+      CHECK(cudaEventElapsedTime(&ms, ev[j], ev[j + 1]));
+      us.push_back(ms * 1000.f);
+    }
+  }
+  for (auto& e : ev) CHECK(cudaEventDestroy(e));
+  return us;
+}
+
+static float median_of(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median event time of each kernel kind k (0, 1) with the two kinds alternating (launch(i, 0),
+// launch(i, 1), launch(i + 1, 0), ...; i cycles over `sets` input sets).
+template <typename F>
+static void chained_us(cudaStream_t stream, int n, int sets, F launch, float (&chained)[2]) {
+  const std::vector<float> both = event_intervals_us(stream, 2 * n, [&](int j) { launch((j / 2) % sets, j & 1); });
   for (int k = 0; k < 2; ++k) {
     std::vector<float> mine;
     for (size_t j = k; j < both.size(); j += 2) mine.push_back(both[j]);  // steps alternate, 2 n per round
     chained[k] = median_of(mine);
-    alone[k] = median_of(intervals(n, [&](int j) { launch(j % sets, k); }));
   }
-  for (auto& e : ev) CHECK(cudaEventDestroy(e));
+}
+
+// Median event time of a kernel in a run of its own kind only.
+template <typename F>
+static float alone_us(cudaStream_t stream, int n, int sets, F launch) {
+  return median_of(event_intervals_us(stream, n, [&](int j) { launch(j % sets); }));
 }
 
 template <typename T, int kCache>
@@ -302,41 +310,32 @@ static void time_case(Problem p, const char* name) {
   // Each kernel's own time inside the chain attention, merge, attention, ... (no PDL; events around
   // every launch), against the same events around each kernel in a chain of its own kind: which of
   // the two costs more when they follow each other than when they run alone.
-  float chained[2], alone[2];
+  float chained[2], after_empty[2], after_sweep[2], after_code[2];
   float4* sweep = nullptr;
   CHECK(cudaMalloc(&sweep, kSweepBytes));
-  event_split_us(stream, n, sets, [&](int i, int k) {
-    if (k == 0) {
-      CHECK(launch_attn(ps[i], stream));
-    } else {
-      launch_merge_plain(ps[i]);
-    }
-  }, chained, alone);
+  auto attention_then = [&](auto other) {
+    return [&, other](int i, int k) {
+      if (k == 0) {
+        CHECK(launch_attn(ps[i], stream));
+      } else {
+        other(i);
+      }
+    };
+  };
+  chained_us(stream, n, sets, attention_then([&](int i) { launch_merge_plain(ps[i]); }), chained);
+  const float alone[2] = {alone_us(stream, n, sets, [&](int i) { CHECK(launch_attn(ps[i], stream)); }),
+                          alone_us(stream, n, sets, [&](int i) { launch_merge_plain(ps[i]); })};
   // The attention after three other kernels instead of the merge: an empty one (a kernel switch
   // and nothing else), one that writes 96 MB (L2 holds none of what the attention read before) and
   // one of 96 KB of code (the attention's instructions are no longer cached).
-  float after_empty[2], after_sweep[2], after_code[2], unused[2];
-  event_split_us(stream, n, sets, [&](int i, int k) {
-    if (k == 0) {
-      CHECK(launch_attn(ps[i], stream));
-    } else {
-      empty_kernel<<<132, 256, 0, stream>>>();
-    }
-  }, after_empty, unused);
-  event_split_us(stream, n, sets, [&](int i, int k) {
-    if (k == 0) {
-      CHECK(launch_attn(ps[i], stream));
-    } else {
-      sweep_kernel<<<2 * 132, 256, 0, stream>>>(sweep, kSweepBytes / sizeof(float4));
-    }
-  }, after_sweep, unused);
-  event_split_us(stream, n, sets, [&](int i, int k) {
-    if (k == 0) {
-      CHECK(launch_attn(ps[i], stream));
-    } else {
-      code_sweep_kernel<<<132, 128, 0, stream>>>(reinterpret_cast<float*>(sweep), 1.0001f, 0.5f);
-    }
-  }, after_code, unused);
+  chained_us(stream, n, sets, attention_then([&](int) { empty_kernel<<<132, 256, 0, stream>>>(); }), after_empty);
+  chained_us(stream, n, sets,
+             attention_then([&](int) { sweep_kernel<<<2 * 132, 256, 0, stream>>>(sweep, kSweepBytes / sizeof(float4)); }),
+             after_sweep);
+  chained_us(stream, n, sets, attention_then([&](int) {
+               code_sweep_kernel<<<132, 128, 0, stream>>>(reinterpret_cast<float*>(sweep), 1.0001f, 0.5f);
+             }),
+             after_code);
   std::printf("time %s (cache %d, W=%d M=%d sets=%d): op %.1f us | attention alone %.1f | merge alone %.1f | empty kernel %.1f"
               " | op with merge grid %d/%d/%d: %.1f/%.1f/%.1f | op without PDL %.1f"
               " | events: attention %.1f chained / %.1f alone, merge %.1f chained / %.1f alone"

@@ -64,23 +64,21 @@ done
 python3 - "$LOGS" $passed <<'EOF'
 import collections, glob, re, statistics, sys
 logs, names = sys.argv[1], sys.argv[2:]
-t = collections.defaultdict(lambda: collections.defaultdict(list))
-ev = collections.defaultdict(lambda: collections.defaultdict(list))
-after = collections.defaultdict(lambda: collections.defaultdict(list))
+t, ev, after = ({} for _ in range(3))
+# What each table reads from a timing line of the harness (its numbers, in order).
+PATTERNS = (
+    (t, r"op ([\d.]+) us \| attention alone ([\d.]+)"),
+    (ev, r"events: attention ([\d.]+) chained / ([\d.]+) alone, merge ([\d.]+) chained / ([\d.]+) alone"),
+    (after, r"attention after an empty kernel ([\d.]+), after an L2 sweep ([\d.]+), after a code sweep ([\d.]+)"),
+)
 for n in names:
     for f in glob.glob(f"{logs}/time_{n}_*.log"):
         for line in open(f):
-            m = re.search(r"/(time\d+_\S+?)\.bin.*op ([\d.]+) us \| attention alone ([\d.]+)", line)
-            if m:
-                t[m.group(1)][n].append((float(m.group(2)), float(m.group(3))))
-            e = re.search(r"/(time\d+_\S+?)\.bin.*events: attention ([\d.]+) chained / ([\d.]+) alone, "
-                          r"merge ([\d.]+) chained / ([\d.]+) alone", line)
-            if e:
-                ev[e.group(1)][n].append(tuple(float(e.group(i)) for i in range(2, 6)))
-            a = re.search(r"/(time\d+_\S+?)\.bin.*attention after an empty kernel ([\d.]+), after an L2 sweep "
-                          r"([\d.]+), after a code sweep ([\d.]+)", line)
-            if a:
-                after[a.group(1)][n].append(tuple(float(a.group(i)) for i in range(2, 5)))
+            shape = re.search(r"/(time\d+_\S+?)\.bin", line)
+            for data, pattern in PATTERNS:
+                m = re.search(pattern, line)
+                if shape and m:
+                    data.setdefault(shape.group(1), collections.defaultdict(list))[n].append(tuple(map(float, m.groups())))
 order = lambda s: int(re.match(r"time(\d+)", s).group(1))
 
 

@@ -15,16 +15,24 @@
 namespace jax_mla {
 namespace cuda {
 
-// Shared-memory matrix descriptor of a K-major operand (Q and K in S = Q K^T) stored in the 128-byte
-// swizzle: rows of 64 elements (128 B), 16-byte chunk j of row r at j ^ (r & 7),
-// groups of 8 rows 1024 B apart, every group 1024-byte aligned. Advancing along
-// K inside the 128-byte row is adding the byte offset to the start address.
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_byte_addr) {
-  uint64_t d = (uint64_t)((smem_byte_addr & 0x3FFFF) >> 4);  // start address
-  d |= (uint64_t)1 << 16;                                     // leading offset: unused when swizzled
-  d |= (uint64_t)(1024 >> 4) << 32;                           // stride offset: 8 rows x 128 B
-  d |= (uint64_t)1 << 62;                                     // 128-byte swizzle
-  return d;
+// Shared-memory matrix descriptors are 64 bits: start address (>> 4) and leading byte offset in the
+// low word, stride byte offset and swizzle mode in the high word. Every descriptor here has the same
+// high word (8-row groups 1024 B apart, 128-byte swizzle), so the kernels keep only a low word per set
+// of panels and make each wgmma's descriptor as that word plus byte offset / 16: one 32-bit add
+// (shared addresses stay below 2^18, so the start field never carries into the next one).
+constexpr uint32_t kSw128DescHi = (uint32_t)((((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62)) >> 32);
+
+// Low word of the descriptor of a K-major operand (Q and K in S = Q K^T) stored in the 128-byte
+// swizzle: rows of 64 elements (128 B), 16-byte chunk j of row r at j ^ (r & 7), groups of 8 rows
+// 1024 B apart, every group 1024-byte aligned. Advancing along K inside the 128-byte row is adding
+// the byte offset to the start address. The leading offset is unused when swizzled (set to 1).
+__device__ __forceinline__ uint32_t sw128_desc_lo(uint32_t smem_byte_addr) {
+  return ((smem_byte_addr & 0x3FFFF) >> 4) | (1u << 16);
+}
+
+// The descriptor at byte_offset past the one whose low word is lo.
+__device__ __forceinline__ uint64_t sw128_desc_at(uint32_t lo, uint32_t byte_offset) {
+  return ((uint64_t)kSw128DescHi << 32) | (uint64_t)(lo + (byte_offset >> 4));
 }
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -169,17 +177,13 @@ __device__ __forceinline__ void fence_fragments(uint32_t (&a)[N][4]) {
 //
 // Tiles here are "panels": 64 dimensions (128 bytes) wide, one row per key or
 // query, 16-byte chunk c of row r at c ^ (r & 7), 1024-byte aligned.
-//  * K-major (the MMA's K runs along the row): sw128_desc above; Q and K in S = Q K^T.
+//  * K-major (the MMA's K runs along the row): sw128_desc_lo above; Q and K in S = Q K^T.
 //  * MN-major: V in O += P V, where K (the keys) runs down the rows and N (the
 //    dimensions) along them. Groups of 8 keys are 1024 bytes apart (stride byte
 //    offset) and the next 64 dimensions live one panel further on (leading byte
 //    offset = the panel's size).
-__device__ __forceinline__ uint64_t sw128_mn_desc(uint32_t smem_byte_addr, uint32_t panel_bytes) {
-  uint64_t d = (uint64_t)((smem_byte_addr & 0x3FFFF) >> 4);
-  d |= (uint64_t)((panel_bytes >> 4) & 0x3FFF) << 16;
-  d |= (uint64_t)(1024 >> 4) << 32;
-  d |= (uint64_t)1 << 62;
-  return d;
+__device__ __forceinline__ uint32_t sw128_mn_desc_lo(uint32_t smem_byte_addr, uint32_t panel_bytes) {
+  return ((smem_byte_addr & 0x3FFFF) >> 4) | (((panel_bytes >> 4) & 0x3FFF) << 16);
 }
 
 // ---- the warpgroup MMAs --------------------------------------------------

@@ -155,20 +155,21 @@ __device__ __forceinline__ void wide64_scores(float (&s)[Wide64Sm90::SACC], cons
   using W = Wide64Sm90;
   base = opaque(base);
   kbuf = opaque(kbuf);
+  const uint32_t q_lo = sw128_desc_lo(base + W::Q_OFF), k_lo = sw128_desc_lo(kbuf);
 #pragma unroll
   for (int i = I0; i < I1; ++i) {
     const int t = kLeftFirst ? i : (i < 5 ? i + 4 : i - 5);
     if (wait) mbar_wait(W::full_bar(base, buf, t), parity);
     if (i == 0) wgmma_fence();
     if (t == W::ROPE_TILE) {
-      const uint32_t tile = wait ? kbuf + W::ROPE_TILE * W::TILE : kbuf;
+      const uint32_t tile = wait ? W::ROPE_TILE * W::TILE : 0;
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) wgmma_64x64_rs<T>(s, q_rope[kk], sw128_desc(tile + kk * 32), i + kk > 0);
+      for (int kk = 0; kk < 4; ++kk) wgmma_64x64_rs<T>(s, q_rope[kk], sw128_desc_at(k_lo, tile + kk * 32), i + kk > 0);
     } else {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_64x64_ss<T>(s, sw128_desc(base + W::Q_OFF + t * W::QPANEL + kk * 32),
-                          sw128_desc(kbuf + t * W::TILE + kk * 32), i + kk > 0);
+        wgmma_64x64_ss<T>(s, sw128_desc_at(q_lo, t * W::QPANEL + kk * 32), sw128_desc_at(k_lo, t * W::TILE + kk * 32),
+                          i + kk > 0);
     }
   }
 }
@@ -203,19 +204,18 @@ template <typename T, int HALF>
 __device__ __forceinline__ void wide64_pv(float (&o)[128], const uint32_t (&pa)[Wide64Sm90::KSTEPS][4],
                                           uint32_t kbuf) {
   using W = Wide64Sm90;
-  kbuf = opaque(kbuf);
+  const uint32_t v_lo = sw128_mn_desc_lo(opaque(kbuf), W::TILE);
 #pragma unroll
   for (int kk = 0; kk < W::KSTEPS; ++kk)
-    wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_mn_desc(kbuf + HALF * 4 * W::TILE + kk * 2048, W::TILE), 1);
+    wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_desc_at(v_lo, HALF * 4 * W::TILE + kk * 2048), 1);
 }
 template <typename T, int HALF>
 __device__ __forceinline__ void wide64_pv_shared_p(float (&o)[128], uint32_t p_panel, uint32_t kbuf) {
   using W = Wide64Sm90;
-  kbuf = opaque(kbuf);
+  const uint32_t v_lo = sw128_mn_desc_lo(opaque(kbuf), W::TILE), p_lo = sw128_desc_lo(p_panel);
 #pragma unroll
   for (int kk = 0; kk < W::KSTEPS; ++kk)
-    wgmma_64x256_ss_mn<T>(o, sw128_desc(p_panel + kk * 32),
-                          sw128_mn_desc(kbuf + HALF * 4 * W::TILE + kk * 2048, W::TILE), 1);
+    wgmma_64x256_ss_mn<T>(o, sw128_desc_at(p_lo, kk * 32), sw128_desc_at(v_lo, HALF * 4 * W::TILE + kk * 2048), 1);
 }
 
 // V rows [from, 64) of the four latent tiles a warpgroup multiplies (HALF) set to zero, then

@@ -410,13 +410,14 @@ __device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], uint32_t
   using W = WideSm90;
   base = opaque(base);
   const uint32_t st = W::stage_addr(base, stage);
+  const uint32_t q_lo = sw128_desc_lo(base + W::Q_OFF), k_lo = sw128_desc_lo(st);
   mbar_wait(W::full_bar(base, stage, W::kRope), parity);
   fence_proxy_async_shared();
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk)
-    wgmma_64x32_ss<T>(s, sw128_desc(base + W::Q_OFF + W::ROPE_PANEL * W::QPANEL + kk * 32),
-                      sw128_desc(st + W::ROPE_PANEL * W::KPANEL + kk * 32), kk > 0);
+    wgmma_64x32_ss<T>(s, sw128_desc_at(q_lo, W::ROPE_PANEL * W::QPANEL + kk * 32),
+                      sw128_desc_at(k_lo, W::ROPE_PANEL * W::KPANEL + kk * 32), kk > 0);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int group = (half == 0) == BLOCK_A ? W::kLeft : W::kRight;
@@ -427,8 +428,8 @@ __device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], uint32_t
     for (int pn = p0; pn < p0 + 4; ++pn)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_64x32_ss<MT>(s, sw128_desc(base + W::Q_OFF + pn * W::QPANEL + kk * 32),
-                           sw128_desc(st + pn * W::KPANEL + kk * 32), 1);
+        wgmma_64x32_ss<MT>(s, sw128_desc_at(q_lo, pn * W::QPANEL + kk * 32), sw128_desc_at(k_lo, pn * W::KPANEL + kk * 32),
+                           1);
   }
 }
 
@@ -578,10 +579,10 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t v, float a) {
 template <typename T, int HALF>
 __device__ __forceinline__ void wide_pv(float (&o)[128], const uint32_t (&pa)[kWideKSteps][4], uint32_t stage_addr) {
   using W = WideSm90;
-  stage_addr = opaque(stage_addr);
+  const uint32_t v_lo = sw128_mn_desc_lo(opaque(stage_addr), W::KPANEL);
 #pragma unroll
   for (int kk = 0; kk < kWideKSteps; ++kk)
-    wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_mn_desc(stage_addr + HALF * 4 * W::KPANEL + kk * 2048, W::KPANEL), 1);
+    wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_desc_at(v_lo, HALF * 4 * W::KPANEL + kk * 2048), 1);
 }
 
 // O (128 floats a thread: 32 groups of the m16n8 layout) times a row's factor; with kSkip,

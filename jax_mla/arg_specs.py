@@ -128,6 +128,9 @@ class ArgSpec:
             host = batch.page_table_host.copy()
             host[0, 0] = -3
             host[-1, 0] = batch.ckv.shape[0] + 7
+            pages0 = -(-int(kv[0]) // self.page_size)
+            if pages0 >= 8:  # and one inside a long range, where the wide bodies run their fast pairs
+                host[0, pages0 // 2] = -1
             table = jnp.asarray(host)
         kv_dev = batch.kv_lens if self.device_kv_lens is None else jnp.asarray(self.device_kv_lens, jnp.int32)
         scales = {}
@@ -200,6 +203,12 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # wide units of many blocks ending in a partial one, unsplit: every stage of the wgmma body's
     # ring is reused, and the partial last block is gathered by cp.async into a stage just released
     ArgSpec(32, 64, (1, 2, 1), (700, 450, 129), whole=True, tags=_tags("small", "sweep")),
+    # 64+ heads (mla_wide64_sm90.cuh): a 16-row head block beside a full one (padding rows), causal
+    # q_len 3, long unsplit ranges with a bad page inside: fast pairs, and generic ones around them
+    ArgSpec(80, 64, (3, 1), (1500, 700), dtype="float16", bad_pages=True, whole=True,
+            tags=_tags("small", "sweep")),
+    # ... and on pages of 32 keys (two TMA boxes per block instead of one)
+    ArgSpec(64, 32, (2, 1), (700, 300), bad_pages=True, whole=True, tags=_tags("small", "sweep")),
     # the fp8 cache (e4m3 ckv, kpe in the query dtype): narrow and wide units, splits, bad pages
     ArgSpec(16, 16, (1, 4, 0, 2), (700, 90, 0, 33), kv_dtype="float8_e4m3fn", padding=1, split=True,
             tags=_tags("small", "sweep")),

@@ -110,20 +110,23 @@ inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
 // work, legal during stream capture). Left disabled for an fp8 kpe (that cache takes the
 // portable body), page sizes below a key block, and where encoding fails. An fp8 ckv is
 // described as bytes in boxes of 128 (one 128-byte swizzled row of raw e4m3 per key,
-// wide_producer_fp8); kpe and a ckv of the queries' type in boxes of 64 dims (128 bytes).
+// wide_producer_fp8); kpe and a ckv of the queries' type in boxes of 64 dims (128 bytes). A box
+// is box_rows keys (at most a page): the producer body's 32-key blocks, or the 64-key body's
+// blocks in one box on pages of 64 keys or more (half the copies to issue).
 template <typename T, int kCache>
-inline KeyTensorMaps key_tensor_maps(const Problem& p) {
+inline KeyTensorMaps key_tensor_maps(const Problem& p, int box_rows = WideSm90::BK) {
   KeyTensorMaps maps = {};
+  maps.box_rows = box_rows;
   const uint64_t rows = (uint64_t)p.num_pages * (uint64_t)p.page_size;
   if constexpr (kCache != kCacheFp8CkvKpe && (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>)) {
     const auto encode = tensor_map_encoder();
-    if (encode == nullptr || p.page_size < WideSm90::BK || rows == 0 || rows > (1ull << 31)) return maps;
+    if (encode == nullptr || p.page_size < box_rows || rows == 0 || rows > (1ull << 31)) return maps;
     const CUtensorMapDataType type =
         std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     auto make = [&](CUtensorMap* map, const void* data, uint64_t dims, CUtensorMapDataType dtype, int bytes) {
       const cuuint64_t size[2] = {dims, rows};
       const cuuint64_t stride[1] = {dims * bytes};  // bytes between rows
-      const cuuint32_t box[2] = {128u / bytes, WideSm90::BK};  // 128 bytes x one key block
+      const cuuint32_t box[2] = {128u / bytes, (cuuint32_t)box_rows};  // 128 bytes x one key block
       const cuuint32_t step[2] = {1, 1};
       return encode(map, dtype, 2, const_cast<void*>(data), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
                     CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -147,19 +150,23 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
     mla_attention_f32_kernel<<<blocks, kThreads, 0, stream>>>(p);
   } else {
     if (use_sm90_kernel()) {
-      const KeyTensorMaps maps = key_tensor_maps<T, kCache>(p);
 #ifndef JAX_MLA_NO_WIDE64  // (an A/B switch: every wide unit on the producer / two-consumer body)
       if constexpr (kCache == kCacheAsQuery) {
         // A 16-bit cache read by TMA, and 64 heads or more: the instance with the 64-key body. Its
         // two key buffers suit units of 64 rows, where the MMAs bound the time; narrower units
         // (fewer heads, whatever the q_len) are bound by the copy and keep v5b's deeper ring
         // (ffi/cuda/NOTES.md, "v8").
-        if (maps.enabled && p.num_heads >= Wide64Sm90::ROWS) {
-          return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true>>(blocks, Wide64Sm90::kThreads,
-                                                                               kSm90SmemBytes, stream, p, maps);
+        if (p.num_heads >= Wide64Sm90::ROWS) {
+          const KeyTensorMaps maps =
+              key_tensor_maps<T, kCache>(p, p.page_size >= Wide64Sm90::BK ? Wide64Sm90::BK : WideSm90::BK);
+          if (maps.enabled) {
+            return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true>>(blocks, Wide64Sm90::kThreads,
+                                                                                 kSm90SmemBytes, stream, p, maps);
+          }
         }
       }
 #endif
+      const KeyTensorMaps maps = key_tensor_maps<T, kCache>(p);
       return launch_with_smem<mla_attention_sm90_kernel<T, kCache>>(blocks, WideSm90::kThreads, kSm90SmemBytes,
                                                                     stream, p, maps);
     }

@@ -41,8 +41,9 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   // converts (kpe in T). An fp8 kpe takes the portable wide body.
   constexpr bool kWgmmaCache = kCache != kCacheFp8CkvKpe;
   static_assert(!kWide64 || kCache == kCacheAsQuery, "the 64-key body reads 16-bit caches");
-  // A unit start off a 32-key boundary cannot take the 64-key body's TMA boxes; this library's
-  // planner splits at multiples of 64, so only another plan would send one here: the portable body.
+  // A unit start off a box boundary (32 or 64 keys) cannot take the 64-key body's TMA boxes; this
+  // library's planner splits at multiples of 64, so only another plan would send one here: the
+  // portable body.
   const bool portable = !kWgmmaCache || (kWide64 && !wide64_takes(maps, u));
   // The narrow body (and the portable wide body) are two warpgroups; in the 384-thread instance the
   // third hands them its registers (the bodies want more than the 168 a thread gets at entry) and

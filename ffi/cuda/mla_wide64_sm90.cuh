@@ -28,8 +28,8 @@
 // PVs run back to back, and block B + 2's tiles 4-8 go in while the second still runs.
 // Every refill is issued by the warpgroup that reads the tiles last, right after its wgmma wait:
 // no producer wake-up sits between a free tile and its next load (NOTES.md, v7). A refill is one
-// TMA box of 32 keys per tile half; a box on a bad page id reads rows outside the tensor, which
-// TMA fills with zeros, and its keys are masked. A unit's partial last block is read
+// TMA box per tile on pages of 64 keys or more, else one of 32 keys per tile half; a box on a bad
+// page id reads rows outside the tensor, which TMA fills with zeros, and its keys are masked. A unit's partial last block is read
 // whole (its page holds the rows) and its V rows past the range are zeroed before the PVs (their
 // P is 0, but 0 times a NaN is NaN). The lazy max and the skipped rescales are v5b's.
 //
@@ -97,37 +97,42 @@ __device__ __forceinline__ void handoff_wait(int h, uint32_t base, int parity) {
   mbar_wait(Wide64Sm90::handoff_bar(base, h), parity);
 }
 
-// The cache rows of a block's two TMA boxes (keys 0-31 and 32-63) and which of them hold usable
-// keys. A box on a page id outside the cache reads rows before the tensor, which TMA fills with
-// zeros, and its bit masks its keys; a second box wholly past the unit's range reads the first
-// box's rows again (its keys are past every row limit, its V rows are zeroed). Needs a 32-aligned
-// block start and page size >= 32: each box lies in one page. The first box always starts in range.
+// The cache rows of a block's TMA boxes and which of them hold usable keys. On pages of 64 keys
+// or more the maps' box is the whole block (maps.box_rows == 64: one box, row[0]); otherwise two
+// boxes of 32 keys, and a second box wholly past the unit's range reads the first box's rows again
+// (its keys are past every row limit, its V rows are zeroed). A box on a page id outside the cache
+// reads rows before the tensor, which TMA fills with zeros, and its bits mask its keys. Needs a
+// box-aligned block start (wide64_takes): each box lies in one page. The first box always starts in
+// range.
 struct Wide64Rows {
   int row[2];
-  uint32_t ok;
+  uint32_t ok;  // bit k: keys 32k .. 32k + 31 are usable
 };
-__device__ __forceinline__ Wide64Rows wide64_block_rows(const Problem& p, const Unit& u, int blk) {
+__device__ __forceinline__ Wide64Rows wide64_block_rows(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
+                                                        int blk) {
   using W = Wide64Sm90;
   const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+  const bool one_box = maps.box_rows == W::BK;
   Wide64Rows b;
   b.ok = 0;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int key = u.kv_begin + blk * W::BK + k * W::BOX;
-    if (k == 1 && key >= u.range_end) {  // box 0's rows again: past the range, masked and zeroed
+    if (k == 1 && (one_box || key >= u.range_end)) {  // box 0's rows again
       b.row[1] = b.row[0];
+      if (one_box) b.ok |= b.ok << 1;
       break;
     }
     const int page = __ldg(pt_row + (key >> p.log2_page_size));
     const bool ok = page >= 0 && page < p.num_pages;
-    b.row[k] = ok ? page * p.page_size + (key & (p.page_size - 1)) : -W::BOX;  // rows before the tensor: zeros
+    b.row[k] = ok ? page * p.page_size + (key & (p.page_size - 1)) : -maps.box_rows;  // rows before the tensor: zeros
     b.ok |= (uint32_t)ok << k;
   }
   return b;
 }
 
-// Tiles [T0, T1) of a block into buffer `buf`: two boxes per tile, completion counted in bytes
-// on the tile's barrier. One thread issues them.
+// Tiles [T0, T1) of a block into buffer `buf`: one box per tile (or two of 32 keys), completion
+// counted in bytes on the tile's barrier. One thread issues them.
 template <int T0, int T1>
 __device__ __forceinline__ void wide64_load_tiles(const KeyTensorMaps& maps, uint32_t base, int buf,
                                                   const Wide64Rows& b) {
@@ -140,7 +145,7 @@ __device__ __forceinline__ void wide64_load_tiles(const KeyTensorMaps& maps, uin
     const int col = t == W::ROPE_TILE ? 0 : 64 * t;
     mbar_arrive_expect_tx(bar, W::TILE);
     tma_load_2d(dst + t * W::TILE, map, col, b.row[0], bar);
-    tma_load_2d(dst + t * W::TILE + W::TILE / 2, map, col, b.row[1], bar);
+    if (maps.box_rows != W::BK) tma_load_2d(dst + t * W::TILE + W::TILE / 2, map, col, b.row[1], bar);
   }
 }
 
@@ -256,7 +261,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {
       if (blk >= num_blocks) break;
-      const Wide64Rows b = wide64_block_rows(p, u, blk);
+      const Wide64Rows b = wide64_block_rows(p, maps, u, blk);
       if constexpr (HALF == 0) {
         st_shared_u32(W::mask_addr(base, blk), b.ok);
         wide64_load_tiles<0, 4>(maps, base, blk, b);
@@ -335,8 +340,8 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     // The rows of this pair's refills, read now so that they arrive during the softmax and PVs.
     Wide64Rows rows_a = {}, rows_b = {};
     if (tid == 0) {
-      if (next_a) rows_a = wide64_block_rows(p, u, blk_a + 2);
-      if (next_b) rows_b = wide64_block_rows(p, u, blk_b + 2);
+      if (next_a) rows_a = wide64_block_rows(p, maps, u, blk_a + 2);
+      if (next_b) rows_b = wide64_block_rows(p, maps, u, blk_b + 2);
     }
     if constexpr (HALF == 0) {
       // ---- block A: softmax, m_A out, PV from registers ----
@@ -457,10 +462,10 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
                             [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); }, W::kBoth, W::kThreads);
 }
 
-// Whether a unit of a 16-bit cache takes this body: TMA maps made (page size >= 32) and a
-// 32-aligned start (every box in one page; the planner splits at multiples of 64).
+// Whether a unit of a 16-bit cache takes this body: TMA maps made (page size >= 32) and a start
+// on a box boundary (every box in one page; the planner splits at multiples of 64).
 __device__ __forceinline__ bool wide64_takes(const KeyTensorMaps& maps, const Unit& u) {
-  return maps.enabled && (u.kv_begin & (Wide64Sm90::BOX - 1)) == 0;
+  return maps.enabled && (u.kv_begin & (maps.box_rows - 1)) == 0;
 }
 
 // The body: barriers, then the two warpgroups (threads 0-255; the caller has sent the rest away).

@@ -151,6 +151,7 @@ struct KeyTensorMaps {
   CUtensorMap ckv;
   CUtensorMap kpe;
   int enabled;
+  int box_rows;  // keys per box: WideSm90::BK, or 64 for the 64-key body on pages of 64 keys or more
 };
 
 // ---- producer -------------------------------------------------------------------

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# On the GPU machine: Nsight Compute (full set, with source) of our attention kernel beside
+# FlashMLA's dense sm90 decode kernel at one shape, both in the same lease. Ours runs through the
+# standalone driver on a timing shape of jax_mla/arg_specs.py (`--time`, one warm launch); FlashMLA
+# through its peer kit (.peer/flashmla, built here, ~90 s; needs the FlashInfer sdist in .peer/ for
+# CUTLASS). Reports, details pages and source-level SASS CSVs land in $OUT/ncu_peer.tar.gz; read the
+# CSVs with tools/ncu_source.py.
+#
+#   SHAPE=time1 FM_SHAPE=3 OUT=$OUT bash scripts/ncu_peer.sh     # (carry .peer)
+#
+# SHAPE: the prefix of a `cases.py timing --tag wide` file (time1 = 128 x 4096 x 128 heads); FM_SHAPE:
+# the index of the same shape in .peer/flashmla/bench.py's SHAPES (3 = 128x4096 h128 q1).
+set -u
+cd "$(dirname "$0")/.."
+export PATH=$PATH:/usr/local/cuda/bin PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-/tmp/jax_mla_out}
+R=/tmp/ncu_peer
+rm -rf "$R" && mkdir -p "$R" "$OUT"
+fm=.peer/flashmla
+if [ -f $fm/bench.py ] && ls .peer/flashinfer_python-*.tar.gz > /dev/null 2>&1; then
+  ( bash $fm/extract.sh "$(realpath "$(ls .peer/flashinfer_python-*.tar.gz | head -1)")" && \
+    cd $fm && MAX_JOBS=14 TORCH_CUDA_ARCH_LIST=9.0a timeout 300 python3 bench.py --build-only ) > "$R/fm_build.log" 2>&1 &
+fi
+nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 -Iffi/include -Iffi/cuda \
+  --expt-relaxed-constexpr -O3 -lineinfo -std=c++17 tools/sanitize_harness/sanitize_harness.cu -o "$R/driver" \
+  > "$R/driver_build.log" 2>&1 || { tail "$R/driver_build.log"; exit 1; }
+JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "$R/cases" --tag wide > "$R/cases.log" 2>&1
+case_file=$(ls "$R/cases/${SHAPE:-time1}"_*.bin | head -1)
+NCU="ncu --clock-control none --set full --import-source yes"
+timeout 200 $NCU -k regex:mla_attention_sm90 --launch-skip 8 --launch-count 1 -o "$R/ours" \
+  "$R/driver" --time "$case_file" > "$R/ncu_ours.log" 2>&1
+echo "ours ($case_file): ncu rc=$?"
+wait
+if [ -f $fm/bench.py ]; then
+  tail -1 "$R/fm_build.log"
+  ( cd $fm && timeout 200 $NCU -k regex:splitkv_mla --launch-count 1 -o "$R/flashmla" python3 bench.py \
+      --only "${FM_SHAPE:-3}" --no-check --reps 1 --min-calls 1 --quiet-build ) > "$R/ncu_flashmla.log" 2>&1
+  echo "flashmla: ncu rc=$?"
+fi
+for r in ours flashmla; do
+  [ -f "$R/$r.ncu-rep" ] || continue
+  ncu -i "$R/$r.ncu-rep" --page details > "$R/${r}_details.txt" 2>&1
+  ncu -i "$R/$r.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$R/${r}_sass.csv.gz"
+  ncu -i "$R/$r.ncu-rep" --page raw --csv 2>&1 | gzip > "$R/${r}_raw.csv.gz"
+  grep -E "Duration|SM Frequency|Elapsed Cycles|Executed Ipc Active|No Eligible|Registers Per" "$R/${r}_details.txt"
+done
+tar czf "$OUT/ncu_peer.tar.gz" --exclude="*.ncu-rep" -C /tmp ncu_peer  # the reports are 5-15 MB each

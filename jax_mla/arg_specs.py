@@ -129,7 +129,7 @@ class ArgSpec:
             host[0, 0] = -3
             host[-1, 0] = batch.ckv.shape[0] + 7
             pages0 = -(-int(kv[0]) // self.page_size)
-            if pages0 >= 8:  # and one inside a long range, where the wide bodies run their fast pairs
+            if pages0 >= 8:  # and one inside a long range, away from the unit's first block
                 host[0, pages0 // 2] = -1
             table = jnp.asarray(host)
         kv_dev = batch.kv_lens if self.device_kv_lens is None else jnp.asarray(self.device_kv_lens, jnp.int32)
@@ -204,7 +204,7 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # ring is reused, and the partial last block is gathered by cp.async into a stage just released
     ArgSpec(32, 64, (1, 2, 1), (700, 450, 129), whole=True, tags=_tags("small", "sweep")),
     # 64+ heads (mla_wide64_sm90.cuh): a 16-row head block beside a full one (padding rows), causal
-    # q_len 3, long unsplit ranges with a bad page inside: fast pairs, and generic ones around them
+    # q_len 3, long unsplit ranges with a bad page in the middle of one
     ArgSpec(80, 64, (3, 1), (1500, 700), dtype="float16", bad_pages=True, whole=True,
             tags=_tags("small", "sweep")),
     # ... and on pages of 32 keys (two TMA boxes per block instead of one)

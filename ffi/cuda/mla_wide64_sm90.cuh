@@ -29,9 +29,10 @@
 // Every refill is issued by the warpgroup that reads the tiles last, right after its wgmma wait:
 // no producer wake-up sits between a free tile and its next load (NOTES.md, v7). A refill is one
 // TMA box per tile on pages of 64 keys or more, else one of 32 keys per tile half; a box on a bad
-// page id reads rows outside the tensor, which TMA fills with zeros, and its keys are masked. A unit's partial last block is read
-// whole (its page holds the rows) and its V rows past the range are zeroed before the PVs (their
-// P is 0, but 0 times a NaN is NaN). The lazy max and the skipped rescales are v5b's.
+// page id reads rows outside the tensor, which TMA fills with zeros, and its keys are masked. A
+// unit's partial last block is read whole (its page holds the rows) and its V rows past the range
+// are zeroed before the PVs (their P is 0, but 0 times a NaN is NaN). The lazy max and the skipped
+// rescales are v5b's.
 //
 // Split units write float32 partials for the merge kernel, as every body does.
 #pragma once

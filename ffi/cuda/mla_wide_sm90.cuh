@@ -429,8 +429,8 @@ __device__ __forceinline__ void wide_scores(float (&s)[WideSm90::SACC], uint32_t
     for (int pn = p0; pn < p0 + 4; ++pn)
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_64x32_ss<MT>(s, sw128_desc_at(q_lo, pn * W::QPANEL + kk * 32), sw128_desc_at(k_lo, pn * W::KPANEL + kk * 32),
-                           1);
+        wgmma_64x32_ss<MT>(s, sw128_desc_at(q_lo, pn * W::QPANEL + kk * 32),
+                           sw128_desc_at(k_lo, pn * W::KPANEL + kk * 32), 1);
   }
 }
 

@@ -35,10 +35,8 @@ for v in $VARIANTS; do
   name=${v%%:*} spec=${v#*:}
   names="$names $name"
   if [[ $spec == @* ]]; then flags="-I${spec#@}"; else flags=${spec//,/ }; fi
-  # The variant's flags come first, so a source directory shadows ffi/cuda.
-  nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 $flags -Iffi/include -Iffi/cuda \
-    --expt-relaxed-constexpr -O3 -lineinfo -std=c++17 tools/sanitize_harness/sanitize_harness.cu \
-    -o "/tmp/driver_ab_$name" > "$LOGS/build_$name.log" 2>&1 &
+  # The variant's flags come before ffi/cuda, so a source directory shadows it.
+  bash scripts/build_driver.sh "/tmp/driver_ab_$name" $flags > "$LOGS/build_$name.log" 2>&1 &
 done
 wait
 passed=""

@@ -21,9 +21,7 @@ if [ -f $fm/bench.py ] && ls .peer/flashinfer_python-*.tar.gz > /dev/null 2>&1; 
   ( bash $fm/extract.sh "$(realpath "$(ls .peer/flashinfer_python-*.tar.gz | head -1)")" && \
     cd $fm && MAX_JOBS=14 TORCH_CUDA_ARCH_LIST=9.0a timeout 300 python3 bench.py --build-only ) > "$R/fm_build.log" 2>&1 &
 fi
-nvcc -gencode=arch=compute_90a,code=sm_90a -DJAX_MLA_SM90A_BUILT=1 -Iffi/include -Iffi/cuda \
-  --expt-relaxed-constexpr -O3 -lineinfo -std=c++17 tools/sanitize_harness/sanitize_harness.cu -o "$R/driver" \
-  > "$R/driver_build.log" 2>&1 || { tail "$R/driver_build.log"; exit 1; }
+bash scripts/build_driver.sh "$R/driver" > "$R/driver_build.log" 2>&1 || { tail "$R/driver_build.log"; exit 1; }
 JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "$R/cases" --tag wide > "$R/cases.log" 2>&1
 case_file=$(ls "$R/cases/${SHAPE:-time1}"_*.bin | head -1)
 NCU="ncu --clock-control none --set full --import-source yes"

@@ -40,6 +40,17 @@ __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
+// Four 8 x 8 matrices of 16-bit values to shared memory (sm_90): lanes 8m .. 8m + 7 give the row
+// addresses of matrix m, and r[m] is the thread's pair of it in the mma fragment layout (row lane / 4,
+// columns 2 (lane % 4), + 1).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#endif
+}
+
 __device__ __forceinline__ void wgmma_commit() {
 #ifdef JAX_MLA_HAS_WGMMA
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");

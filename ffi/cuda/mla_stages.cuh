@@ -13,24 +13,28 @@ namespace cuda {
 
 // Query tile: rows r < max_rows, r = (token u.q_start + r / hb, head h0 + r % hb),
 // 72 16-byte chunks a row (64 of q_nope, 8 of q_pe) by cp.async; rows at or past
-// `rows` are zero-filled. Threads tid = 0 .. nthreads - 1 share the work.
+// `rows` are zero-filled. Threads tid = 0 .. nthreads - 1 share the work, a warp a row at a
+// time: coalesced reads and one division by hb a row (a division per chunk took the wide body's
+// warps ~9,000 cycles to issue a 64-row tile in a full wave, this ~3,000; NOTES.md, "third session").
 // chunk(r, c): shared address of chunk c of row r in the body's layout.
 template <typename T, int max_rows, int nthreads, typename ChunkAddr>
 __device__ __forceinline__ void load_query_tile(const Problem& p, const Unit& u, int h0, int hb, int rows, int tid,
                                                 ChunkAddr chunk) {
   const T* q_nope = static_cast<const T*>(p.q_nope);
   const T* q_pe = static_cast<const T*>(p.q_pe);
-  for (int idx = tid; idx < max_rows * kChunksPerKey; idx += nthreads) {
-    const int r = idx / kChunksPerKey, c = idx - r * kChunksPerKey;
-    const void* src = q_nope;
-    int bytes = 0;
-    if (r < rows) {
-      const size_t tok_head = (size_t)(u.q_start + r / hb) * p.num_heads + h0 + r % hb;
-      src = c < 64 ? (const void*)(q_nope + tok_head * kDimCkv + c * 8)
-                   : (const void*)(q_pe + tok_head * kDimKpe + (c - 64) * 8);
-      bytes = 16;
+  static_assert(nthreads % 32 == 0 && kChunksPerKey <= 96, "a row per warp, three chunks per lane");
+  const int warp = tid >> 5, lane = tid & 31;
+  for (int r = warp; r < max_rows; r += nthreads / 32) {
+    const bool live = r < rows;
+    const size_t tok_head = live ? (size_t)(u.q_start + r / hb) * p.num_heads + h0 + r % hb : 0;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const int c = lane + 32 * k;
+      if (c >= kChunksPerKey) break;
+      const void* src = c < 64 ? (const void*)(q_nope + tok_head * kDimCkv + c * 8)
+                               : (const void*)(q_pe + tok_head * kDimKpe + (c - 64) * 8);
+      cp_async16(chunk(r, c), src, live ? 16 : 0);
     }
-    cp_async16(chunk(r, c), src, bytes);
   }
 }
 

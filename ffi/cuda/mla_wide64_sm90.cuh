@@ -181,19 +181,15 @@ __device__ __forceinline__ void wide64_scores(float (&s)[Wide64Sm90::SACC], cons
 }
 
 // P fragments to a 64 x 64 panel in the 128-byte swizzle (chunk c of row r at c ^ (r & 7)): the
-// K-major A operand of the other warpgroup's wgmma.
+// K-major A operand of the other warpgroup's wgmma. One stmatrix per k16 step: its four matrices are
+// the fragment's (rows g, g + 8) x (keys 0-7, 8-15) of the step, each eight rows of one chunk.
 __device__ __forceinline__ void wide64_store_p(uint32_t buf, const uint32_t (&pa)[Wide64Sm90::KSTEPS][4], int warp,
                                                int lane) {
   buf = opaque(buf);
-  const int g = lane >> 2, t4 = lane & 3;
-  const uint32_t r0 = buf + (16 * warp + g) * 128 + 4 * t4, r1 = r0 + 8 * 128;
+  const int i = lane & 7, m = lane >> 3;  // this lane's row of matrix m
+  const uint32_t row = buf + (16 * warp + 8 * (m & 1) + i) * 128;
 #pragma unroll
-  for (int kk = 0; kk < Wide64Sm90::KSTEPS; ++kk) {
-    st_shared_u32(r0 + (((2 * kk) ^ g) << 4), pa[kk][0]);
-    st_shared_u32(r1 + (((2 * kk) ^ g) << 4), pa[kk][1]);
-    st_shared_u32(r0 + (((2 * kk + 1) ^ g) << 4), pa[kk][2]);
-    st_shared_u32(r1 + (((2 * kk + 1) ^ g) << 4), pa[kk][3]);
-  }
+  for (int kk = 0; kk < Wide64Sm90::KSTEPS; ++kk) stmatrix_x4(row + (((2 * kk + (m >> 1)) ^ i) << 4), pa[kk]);
 }
 // The A fragments of KS k16 steps from such a panel, by ldmatrix (the queries' rope panel).
 template <int KS>

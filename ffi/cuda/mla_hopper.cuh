@@ -40,14 +40,19 @@ __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
-// Four 8 x 8 matrices of 16-bit values to shared memory (sm_90): lanes 8m .. 8m + 7 give the row
-// addresses of matrix m, and r[m] is the thread's pair of it in the mma fragment layout (row lane / 4,
-// columns 2 (lane % 4), + 1).
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+// Bytes (a multiple of 16, both ends 16-byte aligned) from shared to global memory by the bulk
+// copy engine, in this thread's bulk group; bulk_wait_read() waits until every copy of the group
+// has read its shared-memory source.
+__device__ __forceinline__ void bulk_copy_s2g(void* dst, uint32_t src, uint32_t bytes) {
 #ifdef JAX_MLA_HAS_WGMMA
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
-               "r"(r[1]), "r"(r[2]), "r"(r[3])
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
                : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit_and_wait_read() {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 #endif
 }
 

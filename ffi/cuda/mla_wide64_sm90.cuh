@@ -109,10 +109,23 @@ struct Wide64Rows {
   int row[2];
   uint32_t ok;  // bit k: keys 32k .. 32k + 31 are usable
 };
-__device__ __forceinline__ Wide64Rows wide64_block_rows(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
-                                                        int blk) {
+// The page ids of a block's boxes (the second box's only where it has its own), raw.
+struct Wide64Pages {
+  int page[2];
+};
+__device__ __forceinline__ Wide64Pages wide64_block_pages(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
+                                                          int blk) {
   using W = Wide64Sm90;
   const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+  const int key0 = u.kv_begin + blk * W::BK, key1 = key0 + W::BOX;
+  Wide64Pages g;
+  g.page[0] = __ldg(pt_row + (key0 >> p.log2_page_size));
+  g.page[1] = maps.box_rows != W::BK && key1 < u.range_end ? __ldg(pt_row + (key1 >> p.log2_page_size)) : g.page[0];
+  return g;
+}
+__device__ __forceinline__ Wide64Rows wide64_block_rows(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
+                                                        int blk, const Wide64Pages& g) {
+  using W = Wide64Sm90;
   const bool one_box = maps.box_rows == W::BK;
   Wide64Rows b;
   b.ok = 0;
@@ -124,7 +137,7 @@ __device__ __forceinline__ Wide64Rows wide64_block_rows(const Problem& p, const 
       if (one_box) b.ok |= b.ok << 1;
       break;
     }
-    const int page = __ldg(pt_row + (key >> p.log2_page_size));
+    const int page = g.page[k];
     const bool ok = page >= 0 && page < p.num_pages;
     b.row[k] = ok ? page * p.page_size + (key & (p.page_size - 1)) : -maps.box_rows;  // rows before the tensor: zeros
     b.ok |= (uint32_t)ok << k;
@@ -149,6 +162,32 @@ __device__ __forceinline__ void wide64_load_tiles(const KeyTensorMaps& maps, uin
     if (maps.box_rows != W::BK) tma_load_2d(dst + t * W::TILE + W::TILE / 2, map, col, b.row[1], bar);
   }
 }
+
+#ifdef JAX_MLA_TRACE
+// A timeline of the body for diagnosis (standalone driver builds with -DJAX_MLA_TRACE only;
+// tools/trace_report.py reads what the driver prints): clock64 stamps of lane 0 of warps 0 and 3
+// of each warpgroup in blocks 0 and JAX_MLA_TRACE_BLOCK. Row 0: the prologue and the epilogue
+// (events 6 and 7: globaltimer at start and end); row 1 + n: pair n.
+constexpr int kTracePairs = 40, kTraceEvents = 12, kTraceSlots = 8;
+__device__ long long g_jax_mla_trace[kTraceSlots][kTracePairs + 1][kTraceEvents];
+__device__ __forceinline__ long long trace_clock() {
+  long long t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+  return t;
+}
+__device__ __forceinline__ long long trace_globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  return t;
+}
+#ifndef JAX_MLA_TRACE_BLOCK
+#define JAX_MLA_TRACE_BLOCK 200
+#endif
+#define WIDE64_TRACE(row, ev) \
+  do { if (trace_slot >= 0 && (row) <= kTracePairs) g_jax_mla_trace[trace_slot][row][ev] = trace_clock(); } while (0)
+#else
+#define WIDE64_TRACE(row, ev) do { } while (0)
+#endif
 
 // S = Q K^T for the block in `kbuf`, each tile as its barrier completes: steps [I0, I1) of the
 // tile order, tiles 0-3 first when kLeftFirst (WG0: refilled first), else 4-8 first (WG1).
@@ -181,15 +220,19 @@ __device__ __forceinline__ void wide64_scores(float (&s)[Wide64Sm90::SACC], cons
 }
 
 // P fragments to a 64 x 64 panel in the 128-byte swizzle (chunk c of row r at c ^ (r & 7)): the
-// K-major A operand of the other warpgroup's wgmma. One stmatrix per k16 step: its four matrices are
-// the fragment's (rows g, g + 8) x (keys 0-7, 8-15) of the step, each eight rows of one chunk.
+// K-major A operand of the other warpgroup's wgmma.
 __device__ __forceinline__ void wide64_store_p(uint32_t buf, const uint32_t (&pa)[Wide64Sm90::KSTEPS][4], int warp,
                                                int lane) {
   buf = opaque(buf);
-  const int i = lane & 7, m = lane >> 3;  // this lane's row of matrix m
-  const uint32_t row = buf + (16 * warp + 8 * (m & 1) + i) * 128;
+  const int g = lane >> 2, t4 = lane & 3;
+  const uint32_t r0 = buf + (16 * warp + g) * 128 + 4 * t4, r1 = r0 + 8 * 128;
 #pragma unroll
-  for (int kk = 0; kk < Wide64Sm90::KSTEPS; ++kk) stmatrix_x4(row + (((2 * kk + (m >> 1)) ^ i) << 4), pa[kk]);
+  for (int kk = 0; kk < Wide64Sm90::KSTEPS; ++kk) {
+    st_shared_u32(r0 + (((2 * kk) ^ g) << 4), pa[kk][0]);
+    st_shared_u32(r1 + (((2 * kk) ^ g) << 4), pa[kk][1]);
+    st_shared_u32(r0 + (((2 * kk + 1) ^ g) << 4), pa[kk][2]);
+    st_shared_u32(r1 + (((2 * kk + 1) ^ g) << 4), pa[kk][3]);
+  }
 }
 // The A fragments of KS k16 steps from such a panel, by ldmatrix (the queries' rope panel).
 template <int KS>
@@ -242,6 +285,13 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   using W = Wide64Sm90;
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+#ifdef JAX_MLA_TRACE
+  const int trace_slot = lane == 0 && (warp == 0 || warp == 3) && (blockIdx.x == 0 || blockIdx.x == JAX_MLA_TRACE_BLOCK)
+                             ? (blockIdx.x == 0 ? 0 : 4) + 2 * HALF + (warp == 3)
+                             : -1;
+  if (trace_slot >= 0) g_jax_mla_trace[trace_slot][0][6] = trace_globaltimer();
+  WIDE64_TRACE(0, 0);
+#endif
   const int rows = u.q_len * hb;
   int r[2], limit[2];
   accumulator_rows(u, warp, g, rows, hb, r, limit);
@@ -253,12 +303,27 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   };
   const uint32_t kb0 = W::buf_addr(base, 0), kb1 = W::buf_addr(base, 1), q_panels = base + W::Q_OFF;
 
+  WIDE64_TRACE(0, 8);
   // The first two blocks: WG0 loads their tiles 0-3 (and writes their key masks), WG1 tiles 4-8.
+  // The page ids are read first and the tiles issued after this thread's query copies, so that no
+  // query copy waits for the page table.
+  Wide64Pages first[2] = {};
+  if (tid == 0) {
+    if (num_blocks > 0) first[0] = wide64_block_pages(p, maps, u, 0);
+    if (num_blocks > 1) first[1] = wide64_block_pages(p, maps, u, 1);
+  }
+  WIDE64_TRACE(0, 9);
+  // Queries: rows r = (token r / hb, head h0 + r % hb), padding rows zero; the latent part into
+  // the query panels, the rope part into P1's panel, from where each warpgroup takes it into registers.
+  load_query_tile<T, W::ROWS, W::kThreads>(p, u, h0, hb, rows, threadIdx.x, [&](int rr, int c) {
+    return c < 64 ? base + W::Q_OFF + WideSm90::chunk_offset(rr, c, W::QPANEL)
+                  : base + W::P1_OFF + WideSm90::chunk_offset(rr, c - 64, 0);
+  });
   if (tid == 0) {
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {
       if (blk >= num_blocks) break;
-      const Wide64Rows b = wide64_block_rows(p, maps, u, blk);
+      const Wide64Rows b = wide64_block_rows(p, maps, u, blk, first[blk]);
       if constexpr (HALF == 0) {
         st_shared_u32(W::mask_addr(base, blk), b.ok);
         wide64_load_tiles<0, 4>(maps, base, blk, b);
@@ -267,15 +332,11 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       }
     }
   }
-  // Queries: rows r = (token r / hb, head h0 + r % hb), padding rows zero; the latent part into
-  // the query panels, the rope part into P1's panel, from where each warpgroup takes it into registers.
-  load_query_tile<T, W::ROWS, W::kThreads>(p, u, h0, hb, rows, threadIdx.x, [&](int rr, int c) {
-    return c < 64 ? base + W::Q_OFF + WideSm90::chunk_offset(rr, c, W::QPANEL)
-                  : base + W::P1_OFF + WideSm90::chunk_offset(rr, c - 64, 0);
-  });
+  WIDE64_TRACE(0, 1);
   cp_async_wait_all();
   fence_proxy_async_shared();  // the query panels reach wgmma's reads
   named_barrier_sync(W::kBoth, W::kThreads);
+  WIDE64_TRACE(0, 2);
   uint32_t q_rope[4][4];
   wide64_load_fragments(base + W::P1_OFF, q_rope, warp, lane);  // WG1 overwrites P1 only after the m_A hand-off
 
@@ -323,6 +384,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     wgmma_wait<0>();
     fence_registers(s);
   }
+  WIDE64_TRACE(0, 3);
 
   // Like v5b's consumers, the loop issues every wgmma on every trip (past the end on the query
   // panels, dropped): a branch around one makes ptxas serialise every wgmma of the kernel (C7515).
@@ -334,11 +396,14 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     const int key0 = u.kv_begin + blk_a * W::BK;
     const bool a_partial = blk_a == num_blocks - 1 && last_rows < W::BK;
     const bool b_partial = blk_b == num_blocks - 1 && last_rows < W::BK;
-    // The rows of this pair's refills, read now so that they arrive during the softmax and PVs.
-    Wide64Rows rows_a = {}, rows_b = {};
+    WIDE64_TRACE(pair + 1, 0);
+    // The page ids of this pair's refills, loaded now so that they arrive during the softmax and
+    // PVs; their rows are made where the refills need them (made here, the thread waited ~300
+    // cycles for the page table before its softmax, and m_A with it: NOTES.md, "third session").
+    Wide64Pages pages_a = {}, pages_b = {};
     if (tid == 0) {
-      if (next_a) rows_a = wide64_block_rows(p, maps, u, blk_a + 2);
-      if (next_b) rows_b = wide64_block_rows(p, maps, u, blk_b + 2);
+      if (next_a) pages_a = wide64_block_pages(p, maps, u, blk_a + 2);
+      if (next_b) pages_b = wide64_block_pages(p, maps, u, blk_b + 2);
     }
     if constexpr (HALF == 0) {
       // ---- block A: softmax, m_A out, PV from registers ----
@@ -349,23 +414,29 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
         for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxA, r[e]) = m_a[e];
       }
       handoff_signal(W::kAReady, base);
+      WIDE64_TRACE(pair + 1, 1);
       wide_pack_p<T>(s, pa);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * alpha_a[e] + sum_a[e];
       wide_rescale<true>(o, alpha_a);
       if (a_partial) wide64_zero_rows<0>(kb0, last_rows, tid);
+      WIDE64_TRACE(pair + 1, 2);
       wgmma_fence();
       wide64_pv<T, 0>(o, pa, kb0);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(o);
       fence_fragments(pa);
+      WIDE64_TRACE(pair + 1, 3);
       if (tid == 0 && next_a) {  // block A's tiles 0-3 are read: block A + 2's go in
-        st_shared_u32(W::mask_addr(base, blk_a + 2), rows_a.ok);
-        wide64_load_tiles<0, 4>(maps, base, 0, rows_a);
+        const Wide64Rows b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
+        st_shared_u32(W::mask_addr(base, blk_a + 2), b.ok);
+        wide64_load_tiles<0, 4>(maps, base, 0, b);
       }
+      WIDE64_TRACE(pair + 1, 4);
       // ---- m_B from WG1: P_A in its frame for WG1's PV, O_L to it ----
       handoff_wait(W::kBReady, base, parity);
+      WIDE64_TRACE(pair + 1, 5);
       float alpha_b[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -381,11 +452,13 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       wide64_store_p(base + W::P0_OFF, pa, warp, lane);
       fence_proxy_async_shared();  // P_A reaches WG1's wgmma reads
       handoff_signal(W::kP0Ready, base);
+      WIDE64_TRACE(pair + 1, 6);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] *= alpha_b[e];
       wide_rescale<true>(o, alpha_b);
       if (b_partial) wide64_zero_rows<0>(kb1, last_rows, tid);
       handoff_wait(W::kP1Ready, base, parity);
+      WIDE64_TRACE(pair + 1, 7);
       // Without a block B, WG1 stored P_B = 0 and this adds 0 times the query panels.
       wgmma_fence();
       wide64_pv_shared_p<T, 0>(o, base + W::P1_OFF, has_b ? kb1 : q_panels);
@@ -394,19 +467,26 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       // tiles 0-3, tiles 4-8 (WG1 refills them last) after it, so that refill never waits for them.
       wide64_scores<T, true, 0, 4>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1, next_a);
       wgmma_commit();
+      WIDE64_TRACE(pair + 1, 8);
       wgmma_wait<1>();
       fence_registers(o);
-      if (tid == 0 && next_b) {  // block B's tiles 0-3 are read (WG1's S before its signal, our PV now)
-        st_shared_u32(W::mask_addr(base, blk_b + 2), rows_b.ok);
-        wide64_load_tiles<0, 4>(maps, base, 1, rows_b);
+      WIDE64_TRACE(pair + 1, 9);
+      // Block B's tiles 0-3 are read (WG1's S before its signal, our PV now).
+      if (tid == 0 && next_b) {
+        const Wide64Rows b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);
+        st_shared_u32(W::mask_addr(base, blk_b + 2), b.ok);
+        wide64_load_tiles<0, 4>(maps, base, 1, b);
       }
       wide64_scores<T, true, 4, 9>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1, next_a);
       wgmma_commit();
+      WIDE64_TRACE(pair + 1, 10);
       wgmma_wait<0>();
       fence_registers(s);
+      WIDE64_TRACE(pair + 1, 11);
     } else {
       // ---- block B: softmax against m_A, m_B out ----
       handoff_wait(W::kAReady, base, parity);
+      WIDE64_TRACE(pair + 1, 1);
       float m_a[2], m_b[2], alpha_ab[2], sum_b[2] = {0.f, 0.f};
 #pragma unroll
       for (int e = 0; e < 2; ++e) m_b[e] = m_a[e] = *stat_ptr(W::kMaxA, r[e]);
@@ -422,6 +502,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
         for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxB, r[e]) = m_b[e];
       }
       handoff_signal(W::kBReady, base);
+      WIDE64_TRACE(pair + 1, 2);
       // ---- O_R to m_B, then P_B V_B and P_A V_A back to back ----
       float alpha_r[2];
 #pragma unroll
@@ -433,30 +514,50 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       wide64_store_p(base + W::P1_OFF, pb, warp, lane);
       fence_proxy_async_shared();  // P_B reaches WG0's wgmma reads
       handoff_signal(W::kP1Ready, base);
+      WIDE64_TRACE(pair + 1, 3);
       wide_rescale<true>(o, alpha_r);
       if (b_partial) wide64_zero_rows<1>(kb1, last_rows, tid);
       wgmma_fence();
       wide64_pv<T, 1>(o, pb, has_b ? kb1 : q_panels);
       wgmma_commit();
+      WIDE64_TRACE(pair + 1, 4);
       if (a_partial) wide64_zero_rows<1>(kb0, last_rows, tid);
       handoff_wait(W::kP0Ready, base, parity);
+      WIDE64_TRACE(pair + 1, 5);
       wide64_pv_shared_p<T, 1>(o, base + W::P0_OFF, kb0);
       wgmma_commit();
       wgmma_wait<1>();
       fence_fragments(pb);
-      if (tid == 0 && next_b) wide64_load_tiles<4, 9>(maps, base, 1, rows_b);  // block B's tiles 4-8 are read
+      WIDE64_TRACE(pair + 1, 6);
+      if (tid == 0 && next_b) {  // block B's tiles 4-8 are read
+        wide64_load_tiles<4, 9>(maps, base, 1, wide64_block_rows(p, maps, u, blk_b + 2, pages_b));
+      }
+      WIDE64_TRACE(pair + 1, 7);
       wgmma_wait<0>();
       fence_registers(o);
-      if (tid == 0 && next_a) wide64_load_tiles<4, 9>(maps, base, 0, rows_a);  // block A's tiles 4-8 are read
+      WIDE64_TRACE(pair + 1, 8);
+      if (tid == 0 && next_a) {  // block A's tiles 4-8 are read
+        wide64_load_tiles<4, 9>(maps, base, 0, wide64_block_rows(p, maps, u, blk_a + 2, pages_a));
+      }
+      WIDE64_TRACE(pair + 1, 9);
       wide64_scores<T, false>(s, q_rope, base, next_b ? kb1 : q_panels, 1, parity ^ 1, next_b);
       wgmma_commit();
+      WIDE64_TRACE(pair + 1, 10);
       wgmma_wait<0>();
       fence_registers(s);
+      WIDE64_TRACE(pair + 1, 11);
     }
   }
 
+  WIDE64_TRACE(0, 4);
   store_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out,
-                            [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); }, W::kBoth, W::kThreads);
+                            [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); }, W::kBoth, W::kThreads,
+                            base + W::K_OFF, threadIdx.x);
+  static_assert(kStagedRowsBytes <= 2 * W::BUF, "the staged rows fit in the key buffers");
+  WIDE64_TRACE(0, 5);
+#ifdef JAX_MLA_TRACE
+  if (trace_slot >= 0) g_jax_mla_trace[trace_slot][0][7] = trace_globaltimer();
+#endif
 }
 
 // Whether a unit of a 16-bit cache takes this body: TMA maps made (page size >= 32) and a start

@@ -677,14 +677,19 @@ __device__ __forceinline__ void accumulator_rows(const Unit& u, int warp, int g,
 }
 
 // The end of a two-warpgroup body (this one and mla_wide64_sm90.cuh's): each warpgroup's row
-// sums (a row's keys sit in four lanes) to shared memory (sum_ptr(half, row)), one named barrier
-// across both warpgroups, then every row normalised by both halves' sums and stored (this
-// warpgroup's 256 columns of O; warpgroup 0 writes the LSE).
+// sums (a row's keys sit in four lanes) meet in shared memory (sum_ptr(half, row)) at a named
+// barrier across both warpgroups (`threads` of them, ctid = 0 .. threads - 1 among them); then each
+// warpgroup writes its 256 columns of every row, normalised, as T (or float, a split unit's
+// partials) into `stage`: the body's key buffers, free once both warpgroups' last MMAs are done
+// (before the barrier), rows padded by 16 or 32 bytes so that the fragments' stores fall in
+// distinct banks. Then one bulk copy per row to global memory; warpgroup 0 writes the LSEs. Per
+// thread 4-byte global stores of the fragments took ~8,000 cycles a 64-row tile (NOTES.md, "third
+// session").
 template <typename T, int HALF, typename SumPtr>
 __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u, int h0, int hb, int rows,
                                                  const int (&r)[2], int t4, const float (&l_run)[2],
                                                  const float (&m_run)[2], const float (&o)[128], float out_scale,
-                                                 SumPtr sum_ptr, int barrier, int threads) {
+                                                 SumPtr sum_ptr, int barrier, int threads, uint32_t stage, int ctid) {
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float l = l_run[e];
@@ -693,14 +698,45 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
     if (t4 == 0) *sum_ptr(HALF, r[e]) = l;
   }
   named_barrier_sync(barrier, threads);
+  const bool split = u.partial_row >= 0;
+  const int pitch = split ? kDimCkv * 4 + 32 : kDimCkv * (int)sizeof(T) + 16;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    if (r[e] >= rows) continue;
     const float l = *sum_ptr(0, r[e]) + *sum_ptr(1, r[e]);
-    store_tile_row<T, 32>(p, u, h0, hb, r[e], HALF * 256 + 2 * t4, l, m_run[e], out_scale, HALF == 0 && t4 == 0,
-                          [&](int j) { return make_float2(o[4 * j + 2 * e], o[4 * j + 2 * e + 1]); });
+    const float inv = l != 0.f ? out_scale / l : 0.f;
+    const uint32_t row = stage + r[e] * pitch;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int col = HALF * 256 + 8 * j + 2 * t4;
+      const float x = o[4 * j + 2 * e] * inv, y = o[4 * j + 2 * e + 1] * inv;
+      if (split) {
+        st_shared_f32x2(row + col * 4, x, y);
+      } else {
+        st_shared_u32(row + col * (int)sizeof(T), pack2<T>(x, y));
+      }
+    }
+    if (HALF == 0 && t4 == 0 && r[e] < rows) {
+      const float lse = l != 0.f ? (m_run[e] + __log2f(l)) * kLn2 : -INFINITY;
+      const int i = r[e] / hb, h = h0 + r[e] % hb;
+      if (split) {
+        p.partial_lse[(size_t)(u.partial_row + i) * p.num_heads + h] = lse;
+      } else {
+        p.lse[(size_t)(u.q_start + i) * p.num_heads + h] = lse;
+      }
+    }
+  }
+  fence_proxy_async_shared();  // the rows reach the bulk copies' reads
+  named_barrier_sync(barrier, threads);
+  if (ctid < rows) {
+    const int i = ctid / hb, h = h0 + ctid % hb;
+    void* dst = split ? (void*)(p.partial_o + ((size_t)(u.partial_row + i) * p.num_heads + h) * kDimCkv)
+                      : (void*)(static_cast<T*>(p.out) + ((size_t)(u.q_start + i) * p.num_heads + h) * kDimCkv);
+    bulk_copy_s2g(dst, stage + ctid * pitch, split ? kDimCkv * 4 : kDimCkv * sizeof(T));
+    bulk_commit_and_wait_read();  // the block's shared memory outlives the copy's reads
   }
 }
+// Shared memory the staged rows of store_two_halves take.
+constexpr int kStagedRowsBytes = 64 * (kDimCkv * 4 + 32);
 
 // The latent part of S and all of P V multiply in MT (T, or fp16 with an fp8 cache: mla_fp8.cuh).
 template <typename T, int HALF, int kCache>
@@ -914,9 +950,10 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
     }
   }
 
+  static_assert(kStagedRowsBytes <= W::STAGES * W::STAGE, "the staged rows fit in the key ring");
   store_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out,
                             [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); }, W::kConsumers,
-                            W::kConsumerThreads);
+                            W::kConsumerThreads, base + W::KV_OFF, (int)threadIdx.x - 128);
 }
 
 }  // namespace cuda

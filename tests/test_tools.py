@@ -1,4 +1,5 @@
-"""The GPU-analysis tools that run on this machine: tools/ncu_source.py on a small source page."""
+"""The GPU-analysis tools that run on this machine: tools/ncu_source.py on a small source page,
+tools/trace_report.py on a small timeline."""
 
 import gzip
 import importlib.util
@@ -7,11 +8,15 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _ncu_source():
-    spec = importlib.util.spec_from_file_location("ncu_source", ROOT / "tools" / "ncu_source.py")
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _ncu_source():
+    return _tool("ncu_source")
 
 
 # The shape of `ncu --page source --csv --print-source sass`: a kernel line, the header, one row per
@@ -50,3 +55,24 @@ def test_ncu_source_commands_print_their_tables(tmp_path, capsys, monkeypatch):
         out = capsys.readouterr().out
         assert "4 instructions, 82 stall samples" in out
         assert expect in out, (argv, out)
+
+
+def test_trace_report_periods_and_intervals():
+    tr = _tool("trace_report")
+    # One traced warp (slot 2: block 0, warpgroup 1, warp 0), three pairs 1,000 cycles apart whose
+    # marks are 10 * i cycles after the pair's top (the last one 200), and a prologue row.
+    lines = ["trace c slot 2 globaltimer 5000 9000",
+             "trace c slot 2 row 0: 0 40 50 60 3000 3100 10 20 -1 -1"]
+    for n in range(3):
+        top = 100 + 1000 * n
+        stamps = [top + 10 * i for i in range(11)] + [top + 200]
+        lines.append(f"trace c slot 2 row {n + 1}: " + " ".join(map(str, stamps)))
+    rows, timers = tr.read(lines)
+    assert timers[("c", 2)] == (5000, 9000)
+    out = tr.report(rows, timers, 0, 3)
+    assert out[0].startswith("c slot 2 (block 0, WG1, warp 0): start 0 queries issued 40")
+    assert out[0].endswith("| 4000 ns")
+    assert "pair period 1000 cycles (median over pairs 0..1)" in out[1]
+    assert out[2].split() == ["top", "->", "m_A", "received", "10"]
+    assert out[-2].split()[-1] == "100"  # A 4-8 refilled -> S issued: 10; S issued -> S done: 100
+    assert out[-1].split()[-1] == "800"  # S done -> next top

@@ -6,7 +6,7 @@ warpgroups' loops compete for the instruction cache. This compiles ffi/cuda/mla_
 the sources in --src, e.g. a directory made by `scripts/driver_ab.sh --export`) for sm_90a into a
 cubin and reads it with nvdisasm:
 
-    python3 tools/sass_size.py [--src DIR] [--defines -DMACRO ...] [--cubin PATH]
+    python3 tools/sass_size.py [--src DIR] [--defines=-DMACRO,-DOTHER=1] [--cubin PATH]
 
 It prints the SASS instructions of every kernel, then, for each sm_90a kernel, the loops that hold
 more than eight wgmma (HGMMA) instructions: their length and their FMUL / R2UR / UTMALDG counts.
@@ -96,13 +96,13 @@ def hot_loops(ins, labels, min_wgmma=8, max_len=4000):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--src", type=pathlib.Path, default=ROOT / "ffi/cuda")
-    ap.add_argument("--defines", nargs="*", default=[])
+    ap.add_argument("--defines", default="", help="comma-separated nvcc flags, e.g. --defines=-DA,-DB=2")
     ap.add_argument("--cubin", type=pathlib.Path, help="read this cubin instead of compiling")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cubin = args.cubin or pathlib.Path(tmp) / "mla.cubin"
         if not args.cubin:
-            build_cubin(args.src.resolve(), args.defines, cubin)
+            build_cubin(args.src.resolve(), [d for d in args.defines.split(",") if d], cubin)
         sass = subprocess.run([find_nvdisasm(), str(cubin)], check=True, capture_output=True, text=True).stdout
     found = kernels(sass)
     for name, (ins, labels) in sorted(found.items(), key=lambda kv: -len(kv[1][0])):

@@ -344,6 +344,24 @@ static void time_case(Problem p, const char* name) {
               grid_us[1], grid_us[2], no_pdl, chained[0], alone[0], chained[1], alone[1], after_empty[0], after_sweep[0],
               after_code[0]);
   CHECK(cudaFree(sweep));
+#ifdef JAX_MLA_TRACE
+  // The wide body's timeline (mla_wide64_sm90.cuh) of one more launch of the attention alone.
+  CHECK(launch_attn(ps[0], stream));
+  CHECK(launch_attn(ps[1 % sets], stream));
+  CHECK(cudaStreamSynchronize(stream));
+  static long long trace[kTraceSlots][kTracePairs + 1][kTraceEvents];
+  CHECK(cudaMemcpyFromSymbol(trace, g_jax_mla_trace, sizeof(trace)));
+  for (int slot = 0; slot < kTraceSlots; ++slot) {
+    const long long t0 = trace[slot][0][0];
+    std::printf("trace %s slot %d globaltimer %lld %lld\n", name, slot, trace[slot][0][6], trace[slot][0][7]);
+    for (int row = 0; row <= kTracePairs; ++row) {
+      std::printf("trace %s slot %d row %d:", name, slot, row);
+      for (int e = 0; e < kTraceEvents; ++e)
+        if (row > 0 || (e != 6 && e != 7)) std::printf(" %lld", trace[slot][row][e] - t0);
+      std::printf("\n");
+    }
+  }
+#endif
   for (auto& q : ps)
     for (const void* ptr : {q.q_nope, q.q_pe, q.ckv, q.kpe}) CHECK(cudaFree(const_cast<void*>(ptr)));
   for (void* ptr : {out, lse, po, pl, (void*)scales}) CHECK(cudaFree(ptr));

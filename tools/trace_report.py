@@ -1,0 +1,87 @@
+"""Reads the timeline of the 64-key wide body that a JAX_MLA_TRACE driver prints.
+
+Build the standalone driver with the trace and time one case (on the GPU machine):
+
+    bash scripts/build_driver.sh /tmp/trace -DJAX_MLA_TRACE
+    /tmp/trace --time /tmp/cases/time1_128x4096_h128_ps64.bin > trace.log
+    python3 tools/trace_report.py trace.log [--pairs 4 28]
+
+The driver prints, for each traced warp (lane 0 of warps 0 and 3 of each warpgroup, in two
+blocks), clock64 stamps at fixed points of the body (ffi/cuda/mla_wide64_sm90.cuh,
+WIDE64_TRACE): row 0 is the prologue and the epilogue, row 1 + n pair n of the loop. This prints
+the prologue's and epilogue's marks and, over the pairs asked for, the pair period and the median
+cycles between consecutive marks: where a warp waits, and for what.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import statistics
+
+# The marks of a pair, in program order (WIDE64_TRACE(pair + 1, i) in the body).
+PAIR_MARKS = {
+    0: ["top", "m_A signalled", "PV_A issue", "PV_A done", "A 0-3 refilled", "m_B received", "P_A signalled",
+        "P_B received", "PV_B + S 0-3 issued", "PV_B done", "S 4-8 issued", "S done"],
+    1: ["top", "m_A received", "m_B signalled", "P_B signalled", "PV_B issued", "P_A received", "PV_B done",
+        "B 4-8 refilled", "PV_A done", "A 4-8 refilled", "S issued", "S done"],
+}
+# Row 0's marks in the order the driver prints them (events 0-5, then 8-11; 6-7 are globaltimer).
+PROLOGUE_MARKS = ["start", "queries issued", "queries landed", "first S done", "loop end", "stored", "set up",
+                  "page ids issued"]
+
+LINE = re.compile(r"trace (\S+) slot (\d+) row (\d+): (.*)")
+TIMER = re.compile(r"trace (\S+) slot (\d+) globaltimer (-?\d+) (-?\d+)")
+
+
+def read(lines):
+    """{(case, slot): {row: [stamps]}} and {(case, slot): (start ns, end ns)}."""
+    rows, timers = collections.defaultdict(dict), {}
+    for line in lines:
+        if m := LINE.match(line):
+            rows[(m.group(1), int(m.group(2)))][int(m.group(3))] = [int(x) for x in m.group(4).split()]
+        elif m := TIMER.match(line):
+            timers[(m.group(1), int(m.group(2)))] = (int(m.group(3)), int(m.group(4)))
+    return rows, timers
+
+
+def slot_name(slot: int) -> str:
+    return f"block {'0' if slot < 4 else 'B'}, WG{(slot // 2) % 2}, warp {3 if slot % 2 else 0}"
+
+
+def report(rows, timers, first_pair: int, last_pair: int) -> list[str]:
+    out = []
+    for (case, slot), r in sorted(rows.items()):
+        marks = PAIR_MARKS[(slot // 2) % 2]
+        pro = dict(zip(PROLOGUE_MARKS, r.get(0, [])))
+        start, end = timers.get((case, slot), (0, 0))
+        out.append(f"{case} slot {slot} ({slot_name(slot)}): "
+                   + " ".join(f"{k} {v}" for k, v in pro.items()) + f" | {end - start} ns")
+        pairs = [n for n in range(first_pair, last_pair)
+                 if n + 1 in r and n + 2 in r and r[n + 1][0] > 0 and r[n + 2][0] > 0]
+        if not pairs:
+            continue
+        period = statistics.median(r[n + 2][0] - r[n + 1][0] for n in pairs)
+        out.append(f"   pair period {period:.0f} cycles (median over pairs {pairs[0]}..{pairs[-1]})")
+        for i in range(1, len(marks)):
+            d = statistics.median(r[n + 1][i] - r[n + 1][i - 1] for n in pairs)
+            out.append(f"   {marks[i - 1]:>22} -> {marks[i]:<22} {d:7.0f}")
+        d = statistics.median(r[n + 2][0] - r[n + 1][-1] for n in pairs)
+        out.append(f"   {marks[-1]:>22} -> {'next top':<22} {d:7.0f}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("log")
+    ap.add_argument("--pairs", nargs=2, type=int, default=(4, 28), metavar=("FIRST", "LAST"),
+                    help="pairs whose intervals are summarised (steady state: past the first few)")
+    args = ap.parse_args()
+    with open(args.log) as f:
+        rows, timers = read(f)
+    print("\n".join(report(rows, timers, *args.pairs)))
+
+
+if __name__ == "__main__":
+    main()

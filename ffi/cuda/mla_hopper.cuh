@@ -139,8 +139,8 @@ __device__ __forceinline__ void tma_load_2d_evict_first(uint32_t dst, const void
   asm volatile(
       "{\n.reg .b64 pol;\n"
       "createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, %3}], "
-      "[%4], pol;\n}\n" ::"r"(dst),
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1, {%2, %3}], [%4], pol;\n}\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 #endif

@@ -15,7 +15,7 @@ namespace cuda {
 // 72 16-byte chunks a row (64 of q_nope, 8 of q_pe) by cp.async; rows at or past
 // `rows` are zero-filled. Threads tid = 0 .. nthreads - 1 share the work, a warp a row at a
 // time: coalesced reads and one division by hb a row (a division per chunk took the wide body's
-// warps ~9,000 cycles to issue a 64-row tile in a full wave, this ~3,000; NOTES.md, "third session").
+// warps ~9,000 cycles to issue a 64-row tile in a full wave, this ~3,500; NOTES.md, "third session").
 // chunk(r, c): shared address of chunk c of row r in the body's layout.
 template <typename T, int max_rows, int nthreads, typename ChunkAddr>
 __device__ __forceinline__ void load_query_tile(const Problem& p, const Unit& u, int h0, int hb, int rows, int tid,

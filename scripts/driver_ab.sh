@@ -11,6 +11,8 @@
 # checked against the NumPy reference; then every variant that passed is timed on the shapes tagged
 # CASE_TAG (default `wide`) in ROUNDS interleaved rounds (default "1 2 3"). Prints the median op time
 # (and attention-alone time) per shape and variant; logs in $OUT/driver_ab.tar.gz.
+# TRACE_CASES="time1_128x4096_h128_ps64 ...": also build every variant that passed with -DJAX_MLA_TRACE,
+# time those cases once more and print the 64-key body's timeline (tools/trace_report.py).
 set -u
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--export" ]; then  # local helper: the ffi/cuda of git revision $2 into directory $3
@@ -37,6 +39,9 @@ for v in $VARIANTS; do
   if [[ $spec == @* ]]; then flags="-I${spec#@}"; else flags=${spec//,/ }; fi
   # The variant's flags come before ffi/cuda, so a source directory shadows it.
   bash scripts/build_driver.sh "/tmp/driver_ab_$name" $flags > "$LOGS/build_$name.log" 2>&1 &
+  if [ -n "${TRACE_CASES:-}" ]; then
+    bash scripts/build_driver.sh "/tmp/driver_ab_trace_$name" $flags -DJAX_MLA_TRACE > "$LOGS/build_trace_$name.log" 2>&1 &
+  fi
 done
 wait
 passed=""
@@ -98,4 +103,12 @@ if after:
     table("median over rounds, us, by events: attention after an empty kernel / an L2 sweep / a code sweep", after,
           22, lambda v: f"{med(v, 0):.1f}/{med(v, 1):.1f}/{med(v, 2):.1f}")
 EOF
+for name in $passed; do
+  for c in ${TRACE_CASES:-}; do
+    [ -x "/tmp/driver_ab_trace_$name" ] || { echo "$name: no trace build"; break; }
+    timeout 120 "/tmp/driver_ab_trace_$name" --time "/tmp/driver_ab_time/$c.bin" > "$LOGS/trace_${name}_$c.log" 2>&1
+    echo "== timeline of $name on $c"
+    python3 tools/trace_report.py "$LOGS/trace_${name}_$c.log" | tee "$LOGS/trace_report_${name}_$c.txt"
+  done
+done
 tar czf "$OUT/driver_ab.tar.gz" -C /tmp driver_ab

@@ -41,8 +41,8 @@ __device__ __forceinline__ void wgmma_fence() {
 #endif
 }
 // Bytes (a multiple of 16, both ends 16-byte aligned) from shared to global memory by the bulk
-// copy engine, in this thread's bulk group; bulk_wait_read() waits until every copy of the group
-// has read its shared-memory source.
+// copy engine, in this thread's bulk group; bulk_commit_and_wait_read() closes the group and waits
+// until every copy in it has read its shared-memory source.
 __device__ __forceinline__ void bulk_copy_s2g(void* dst, uint32_t src, uint32_t bytes) {
 #ifdef JAX_MLA_HAS_WGMMA
   asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)

@@ -736,7 +736,7 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
   }
 }
 // Shared memory the staged rows of store_two_halves take.
-constexpr int kStagedRowsBytes = 64 * (kDimCkv * 4 + 32);
+constexpr int kStagedRowsBytes = kRowsPerTile * (kDimCkv * 4 + 32);
 
 // The latent part of S and all of P V multiply in MT (T, or fp16 with an fp8 cache: mla_fp8.cuh).
 template <typename T, int HALF, int kCache>

@@ -120,7 +120,9 @@ __device__ __forceinline__ Wide64Pages wide64_block_pages(const Problem& p, cons
   const int key0 = u.kv_begin + blk * W::BK, key1 = key0 + W::BOX;
   Wide64Pages g;
   g.page[0] = __ldg(pt_row + (key0 >> p.log2_page_size));
-  g.page[1] = maps.box_rows != W::BK && key1 < u.range_end ? __ldg(pt_row + (key1 >> p.log2_page_size)) : g.page[0];
+  // Not g.page[0] where there is no second box (wide64_block_rows does not read it then): a copy
+  // of the loaded value made the thread wait for the load right here.
+  g.page[1] = maps.box_rows != W::BK && key1 < u.range_end ? __ldg(pt_row + (key1 >> p.log2_page_size)) : 0;
   return g;
 }
 __device__ __forceinline__ Wide64Rows wide64_block_rows(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
@@ -311,10 +313,13 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   // The first two blocks: WG0 loads their tiles 0-3 (and writes their key masks), WG1 tiles 4-8.
   // The page ids are read first and the tiles issued after this thread's query copies, so that no
   // query copy waits for the page table.
-  Wide64Pages first[2] = {};
+  // WG0 also reads the ids of the first pair's refills (blocks 2 and 3): see the loop's top.
+  Wide64Pages first[2] = {}, ahead_a = {}, ahead_b = {};
   if (tid == 0) {
     if (num_blocks > 0) first[0] = wide64_block_pages(p, maps, u, 0);
     if (num_blocks > 1) first[1] = wide64_block_pages(p, maps, u, 1);
+    if (HALF == 0 && num_blocks > 2) ahead_a = wide64_block_pages(p, maps, u, 2);
+    if (HALF == 0 && num_blocks > 3) ahead_b = wide64_block_pages(p, maps, u, 3);
   }
   WIDE64_TRACE(0, 9);
   // Queries: rows r = (token r / hb, head h0 + r % hb), padding rows zero; the latent part into
@@ -401,11 +406,13 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     const bool a_partial = blk_a == num_blocks - 1 && last_rows < W::BK;
     const bool b_partial = blk_b == num_blocks - 1 && last_rows < W::BK;
     WIDE64_TRACE(pair + 1, 0);
-    // The page ids of this pair's refills, loaded now so that they arrive during the softmax and
-    // PVs; their rows are made where the refills need them (made here, the thread waited ~300
-    // cycles for the page table before its softmax, and m_A with it: NOTES.md, "third session").
-    Wide64Pages pages_a = {}, pages_b = {};
-    if (tid == 0) {
+    // The page ids of this pair's refills. WG0's were read during the last pair, while it waited
+    // for tiles: read here, the address arithmetic and loads kept its warp 0 ~120 cycles behind the
+    // other warps at the m_A hand-off, which every later step waits for (NOTES.md, "fourth
+    // session"). WG1 waits for m_A here anyway. Their rows are made where the refills need them
+    // (made here, the thread waited ~300 cycles for the page table: NOTES.md, "third session").
+    Wide64Pages pages_a = ahead_a, pages_b = ahead_b;
+    if (HALF == 1 && tid == 0) {
       if (next_a) pages_a = wide64_block_pages(p, maps, u, blk_a + 2);
       if (next_b) pages_b = wide64_block_pages(p, maps, u, blk_b + 2);
     }
@@ -467,6 +474,10 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       wgmma_fence();
       wide64_pv_shared_p<T, 0>(o, base + W::P1_OFF, has_b ? kb1 : q_panels);
       wgmma_commit();
+      if (tid == 0) {  // the next pair's refill ids, while the S below waits for its tiles
+        if (blk_a + 4 < num_blocks) ahead_a = wide64_block_pages(p, maps, u, blk_a + 4);
+        if (blk_b + 4 < num_blocks) ahead_b = wide64_block_pages(p, maps, u, blk_b + 4);
+      }
       // The next S in two parts: tiles 0-3 (refilled above) go in before the refill of block B's
       // tiles 0-3, tiles 4-8 (WG1 refills them last) after it, so that refill never waits for them.
       wide64_scores<T, true, 0, 4>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1, next_a);

@@ -4,7 +4,8 @@
 // blocks while HBM supplies half of it, and the loop's waits could be either the SMs' share of the
 // L2 -> SM fabric or the copies' latency.
 //
-//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 tools/l2_probe.cu -o /tmp/l2_probe
+//   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Iffi/include -Iffi/cuda tools/l2_probe.cu \
+//     -o /tmp/l2_probe
 //   /tmp/l2_probe [--stages 4] [--chunk 32768] [--mb-per-cta 4.5]
 //
 // One block per SM (the shared memory asks for it), one thread issuing bulk copies
@@ -30,6 +31,13 @@
 #include <string>
 #include <vector>
 
+#include "mla_hopper.cuh"  // the kernels' mbarrier helpers (their cta-scope forms)
+
+using jax_mla::cuda::mbar_arrive_expect_tx;
+using jax_mla::cuda::mbar_init;
+using jax_mla::cuda::mbar_init_fence;
+using jax_mla::cuda::smem_addr;
+
 #define CHECK(x)                                                                      \
   do {                                                                                \
     cudaError_t e_ = (x);                                                             \
@@ -41,13 +49,7 @@
 
 constexpr int kMaxStages = 8;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void bar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
+// Cluster-scope forms the kernels do not need: the wait acquires what the partner block released.
 __device__ __forceinline__ void bar_wait(uint32_t bar, int parity) {
   asm volatile(
       "{\n.reg .pred p;\nW: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
@@ -99,10 +101,10 @@ __global__ void probe(Args a) {
   const uint32_t rank = a.multicast ? cluster_rank() : 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < a.stages; ++s) {
-      bar_init(smem_addr(&full[s]), 1);
-      bar_init(smem_addr(&empty[s]), 2);
+      mbar_init(smem_addr(&full[s]), 1);
+      mbar_init(smem_addr(&empty[s]), 2);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
   }
   if (a.multicast) cluster_sync(); else __syncthreads();
   if (threadIdx.x != 0) return;
@@ -115,7 +117,7 @@ __global__ void probe(Args a) {
   auto issue = [&](long i, int s) {
     const char* c = src + ((start + i) % chunks) * a.chunk;
     const uint32_t dst = smem_addr(smem + (size_t)s * a.chunk), bar = smem_addr(&full[s]);
-    bar_expect(bar, a.chunk);
+    mbar_arrive_expect_tx(bar, a.chunk);
     if (a.multicast) {
       bulk_load_multicast(dst + rank * half, c + rank * half, half, bar, 3);
     } else {

@@ -49,7 +49,8 @@ class PlanTarget:
       it saves.
     chunk_align: split boundaries are multiples of this (the kernels' kv block).
     unit_overhead: fixed cost of a unit in kv-token equivalents (launch, q load,
-      output and merge traffic); used to decide whether splitting pays.
+      output and merge traffic); used to decide whether splitting pays, and
+      what a cut costs when a ragged batch is packed onto the workers.
     """
 
     num_workers: int
@@ -250,6 +251,54 @@ def _check_scalars(num_heads, page_size, num_tokens, max_pages_per_request) -> N
         raise ValueError(f"max_pages_per_request={max_pages_per_request!r} must be an int in [0, 2**31)")
 
 
+def _pack_at(tile_kv: list, slots: int, span: int, ovh: int, align: int, min_piece: int):
+    """Tiles in order onto `slots` workers of `span` each (a unit costs its keys + ovh): a tile that
+    does not fit where the worker is is cut at a multiple of `align`, both parts >= min_piece, or goes
+    whole to the next worker; the last worker takes whatever is left. Returns the units (tile, first
+    key, keys, start on its worker; in worker order) and each worker's load."""
+    u_tile, u_start, u_len, u_t0 = [], [], [], []
+    loads = [0] * slots
+    w = used = 0
+    for t, kv in enumerate(tile_kv):
+        s = 0
+        while True:
+            r = kv - s
+            if used + r + ovh <= span or w == slots - 1:
+                u_tile.append(t), u_start.append(s), u_len.append(r), u_t0.append(used)
+                used += r + ovh
+                break
+            # as much as fits, leaving at least min_piece of the tile for the next worker
+            piece = min((span - used - ovh) // align, (r - min_piece) // align) * align
+            if piece >= min_piece:
+                u_tile.append(t), u_start.append(s), u_len.append(piece), u_t0.append(used)
+                s += piece
+                used += piece + ovh
+            elif used == 0:  # an empty worker takes the tile whole when it cannot be cut
+                u_tile.append(t), u_start.append(s), u_len.append(r), u_t0.append(used)
+                used += r + ovh
+                break
+            loads[w] = used
+            w, used = w + 1, 0
+    loads[w] = used
+    return (u_tile, u_start, u_len, u_t0), loads
+
+
+def _pack(tile_kv: list, slots: int, ovh: int, align: int, min_piece: int):
+    """`_pack_at` at the smallest span (bisected) that leaves the last worker no more than the span,
+    between the even share of the keys plus one overhead per tile and that plus the longest tile.
+    Returns the units and the makespan (the largest load)."""
+    lo = -(-(sum(tile_kv) + len(tile_kv) * ovh) // slots)
+    hi = lo + max(tile_kv) + ovh
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _pack_at(tile_kv, slots, mid, ovh, align, min_piece)[1][-1] <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    units, loads = _pack_at(tile_kv, slots, hi, ovh, align, min_piece)
+    return units, max(loads)
+
+
 def plan_mla_numpy(
     qo_lens: Sequence[int] | np.ndarray,
     kv_lens: Sequence[int] | np.ndarray,
@@ -336,17 +385,74 @@ def plan_mla_numpy(
     # Buckets from bounds that depend on the batch's tile count and the target
     # only, never on kv lengths, so growing contexts keep every shape:
     #   units <= max(n_t, slots)  (chunk was sized so that sum(ceil(kv/c)) <= slots)
-    #   split tiles s: 2s + (n_t - s) <= slots  ->  s <= slots - n_t
+    #   split tiles <= slots - 1 (each split of a packed plan ends a worker's share)
     #   partial rows <= (longest tile) * slots
+    # (a packed plan, below, is taken only where it fits them)
     max_qlen = min(max_q, q_tile) if n_t else 1
     n_work = bucket(max(n_t, slots), min_work_units)
-    n_merge = bucket(min(n_t, max(slots - n_t, 0)), min_work_units)
+    n_merge = bucket(min(n_t, slots - 1) if slots > n_t else 0, min_work_units)
     n_partial = bucket(max_qlen * slots if slots > n_t else 0, min_partial_rows)
     work = np.zeros((n_work, WORK_COLS), np.int32)
     merge = np.zeros((n_merge, MERGE_COLS), np.int32)
     w = work.T  # column views: one strided store per column
 
-    if chunk == 0:
+    # ---- a ragged batch: pack the keys onto the workers --------------------------
+    # Equal parts per tile (above) leave workers idle when lengths differ: the makespan is the longest
+    # unit. Packing walks the tiles in order and fills each worker up to one makespan T, cutting a tile
+    # where a worker is full (as FlashMLA's scheduler does), so a worker may run several units of
+    # different tiles one after another. Blocks start in index order on the SMs that free first, so
+    # units are ordered by their start on their worker: a worker's next unit is the next one handed
+    # out when it frees. Taken when the cost model says it is clearly shorter and it fits the
+    # buckets above (which depend on the tile count only).
+    packed = None
+    ovh = target.unit_overhead
+    if slots > n_t and max_kv > target.min_chunk:
+        if chunk == 0:
+            longest_a = max_kv
+        else:
+            n_a = np.maximum(1, -(-tile_kv // chunk))
+            longest_a = int(np.minimum(tile_kv, -(-(-(-tile_kv // n_a)) // align) * align).max())
+        # No packing beats the even share of the keys with one overhead per tile.
+        even_share = -(-(int(tile_kv.sum()) + n_t * ovh) // slots)
+        packed = _pack(tile_kv.tolist(), slots, ovh, align, target.min_chunk) \
+            if 33 * even_share < 32 * (longest_a + ovh) else None
+    if packed is not None:
+        units_b, span_b = packed
+        n_split_b = np.bincount(np.asarray(units_b[0], np.int64), minlength=n_t)
+        split_b = n_split_b > 1
+        if not (33 * span_b < 32 * (longest_a + ovh) and len(units_b[0]) <= n_work
+                and int(split_b.sum()) <= n_merge and int((n_split_b * tile_qlen)[split_b].sum()) <= n_partial):
+            packed = None
+
+    if packed is not None:
+        (u_tile, u_start, u_len, u_t0), _ = packed
+        u_tile = np.asarray(u_tile, np.int64)
+        u_start = np.asarray(u_start, np.int64)
+        n_units = u_tile.size
+        first = np.r_[True, u_tile[1:] != u_tile[:-1]]  # a tile's units are consecutive
+        unit_j = np.arange(n_units) - np.flatnonzero(first)[np.cumsum(first) - 1]
+        u_ns = n_split_b[u_tile]
+        u_qlen = tile_qlen[u_tile]
+        part_rows = np.where(split_b, n_split_b * tile_qlen, 0)
+        part_base = np.cumsum(part_rows) - part_rows
+        last = unit_j == u_ns - 1
+        w[W_REQUEST, :n_units] = tile_req[u_tile]
+        w[W_QSTART, :n_units] = tile_qstart[u_tile]
+        w[W_QLEN, :n_units] = u_qlen
+        w[W_QEND_OFFSET, :n_units] = tile_eoff[u_tile]
+        w[W_KV_START, :n_units] = u_start
+        w[W_KV_END, :n_units] = np.where(last, KV_END_OPEN, u_start + np.asarray(u_len, np.int64))
+        w[W_PARTIAL_ROW, :n_units] = np.where(u_ns > 1, part_base[u_tile] + unit_j * u_qlen, -1)
+        w[W_SPLIT, :n_units] = unit_j
+        split_idx = np.flatnonzero(split_b)
+        m = merge.T
+        m[M_QSTART, : split_idx.size] = tile_qstart[split_idx]
+        m[M_QLEN, : split_idx.size] = tile_qlen[split_idx]
+        m[M_PARTIAL_ROW, : split_idx.size] = part_base[split_idx]
+        m[M_NUM_SPLITS, : split_idx.size] = n_split_b[split_idx]
+        # By start on the worker (ties: worker order, which is the order _pack made them in).
+        work[:n_units] = work[np.argsort(np.minimum(np.asarray(u_t0, np.int64), INT32_MAX), kind="stable")]
+    elif chunk == 0:
         n_units = n_t
         w[W_REQUEST, :n_t] = tile_req
         w[W_QSTART, :n_t] = tile_qstart
@@ -386,9 +492,10 @@ def plan_mla_numpy(
         m[M_PARTIAL_ROW, : split_idx.size] = part_base[split_idx]
         m[M_NUM_SPLITS, : split_idx.size] = n_split[split_idx]
         assert split_idx.size <= n_merge and int(part_rows[-1] + part_base[-1]) <= n_partial
+    if packed is None:
+        # Longest first: blocks are dispatched in order, so big units must not trail.
+        work[:n_units] = work[np.argsort(-u_cost, kind="stable")]
     assert n_units <= n_work
-    # Longest first: blocks are dispatched in order, so big units must not trail.
-    work[:n_units] = work[np.argsort(-u_cost, kind="stable")]
 
     tokens = np.empty((num_tokens, 2), np.int32)
     if max_q == 1 and n_t == num_req:

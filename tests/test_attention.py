@@ -212,6 +212,29 @@ def test_many_and_few_splits_in_one_batch(rng, heads):
     check_against_reference(batch, plan)
 
 
+@pytest.mark.parametrize("heads,max_q", [(16, 1), (128, 1), (20, 3)])
+def test_ragged_batch_packed_onto_workers(heads, max_q):
+    """Lengths 30x apart: the planner packs the keys onto the workers (units of several requests per
+    worker, tiles cut where a worker is full into unequal pieces, units ordered by their start on the
+    worker rather than longest first)."""
+    dims = SMALL if jax.default_backend() == "cpu" else DEEPSEEK
+    require_kernel(*dims)
+    rng = np.random.default_rng(5)
+    n = 12
+    qo = rng.integers(1, max_q + 1, n)
+    kv = np.maximum(rng.integers(40, 1200, n), qo)
+    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=16, d_ckv=dims[0], d_kpe=dims[1],
+                               dtype=BF16)
+    target = PlanTarget(num_workers=24 * -(-heads // 64), min_chunk=64, chunk_align=32, unit_overhead=64)
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=16, target=target)
+    work = np.asarray(plan.work)
+    live = work[work[:, W_QLEN] > 0]
+    ends = np.where(live[:, W_KV_END] == KV_END_OPEN, kv[live[:, 0]], live[:, W_KV_END])
+    assert (np.diff(ends - live[:, 4]) > 0).any(), f"not packed: {plan.describe()}"
+    assert (live[:, W_PARTIAL_ROW] >= 0).any()
+    check_against_reference(batch, plan)
+
+
 # ---- units of more than 16 query rows -------------------------------------------------
 # On an H200 these take the sm_90a warp-specialised body (64-key blocks taken in
 # pairs by two consumer warpgroups): kv lengths of one, an odd and an even number

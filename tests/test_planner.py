@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -101,15 +103,51 @@ def test_heads_over_tile_rows_count_as_several_blocks():
     assert n(b) * 2 <= n(a) + 2
 
 
-def test_units_longest_first():
-    plan = plan_mla([1, 1, 1], [100, 5000, 900], num_heads=16, page_size=16,
-                    target=PlanTarget(num_workers=4, min_chunk=64))
+def unit_keys(plan, kv):
+    """Keys of each live unit of a plan made for lengths kv, in the plan's order."""
     w = np.asarray(plan.work)
     live = w[w[:, P.W_QLEN] > 0]
-    kv = np.array([100, 5000, 900])
-    cost = np.minimum(np.where(live[:, P.W_KV_END] == P.KV_END_OPEN, kv[live[:, P.W_REQUEST]],
-                               live[:, P.W_KV_END]), kv[live[:, P.W_REQUEST]]) - live[:, P.W_KV_START]
-    assert np.all(np.diff(cost) <= 0)
+    seen = kv[live[:, P.W_REQUEST]] - (live[:, P.W_QEND_OFFSET] - live[:, P.W_QLEN])
+    end = np.where(live[:, P.W_KV_END] == P.KV_END_OPEN, seen, np.minimum(live[:, P.W_KV_END], seen))
+    return end - live[:, P.W_KV_START]
+
+
+def dispatched_span(costs, workers):
+    """When the last worker finishes if units start in order, each on the worker that frees first
+    (how blocks are handed to SMs)."""
+    free = [0] * workers
+    for c in costs:
+        heapq.heapreplace(free, free[0] + int(c))
+    return max(free)
+
+
+def test_even_splits_run_longest_first():
+    kv = np.array([1000, 4096, 3000, 4096])
+    plan = plan_mla(np.ones(4, int), kv, num_heads=16, page_size=16, target=PlanTarget(num_workers=4))
+    assert list(unit_keys(plan, kv)) == [4096, 4096, 3000, 1000]
+
+
+@pytest.mark.parametrize("planner", ["native", "numpy"])
+def test_ragged_batch_is_packed_onto_workers(planner):
+    """Lengths U[1000, 8192] at 128 heads: equal parts per request leave the longest part ~1.3x the
+    mean; packed, the workers finish within a few percent of one another when units start in order."""
+    kv = np.random.default_rng(0).integers(1000, 8193, 32)
+    t = PlanTarget(num_workers=132)
+    plan_fn = plan_mla if planner == "native" else P.plan_mla_numpy
+    plan = plan_fn(np.ones(32, int), kv, num_heads=128, page_size=64, target=t)
+    check_plan(plan, kv)
+    keys = unit_keys(plan, kv)
+    workers = 132 // 2  # two head blocks per unit
+    span = dispatched_span(keys + t.unit_overhead, workers)
+    even_share = (kv.sum() + len(keys) * t.unit_overhead) / workers
+    assert span <= 1.08 * even_share, (span, even_share)
+    # Equal parts of each request with at most one unit per worker (the plan before packing): the
+    # smallest such chunk still leaves a part far longer than the packed span.
+    chunk = next(c for c in range(64, 8193, 64) if (-(-kv // c)).sum() <= workers)
+    parts = -(-kv // chunk)
+    longest = (-(-(-(-kv // parts)) // 64) * 64).max()
+    assert span < 0.92 * (longest + t.unit_overhead), (span, longest)
+    assert len(keys) > 32 and (np.asarray(plan.merge)[:, P.M_QLEN] > 0).sum() >= 16
 
 
 def test_shapes_are_bucketed(rng):

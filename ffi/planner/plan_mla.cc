@@ -13,6 +13,7 @@ namespace {
 constexpr int64_t kInt32Max = 2147483647;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }  // a >= 0, b > 0
+int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }  // b > 0, as Python's //
 
 // planner.bucket: smallest power of two >= max(n, minimum, 1).
 int64_t bucket(int64_t n, int64_t minimum) {
@@ -72,6 +73,70 @@ std::vector<uint32_t> stable_order(const std::vector<uint32_t>& keys) {
     idx.swap(tmp);
   }
   return idx;
+}
+
+// planner._pack_at: the tiles in order onto `slots` workers of `span` each (a unit costs its keys +
+// ovh). Units come out in worker order; loads[w] is worker w's total.
+struct PackUnit {
+  int64_t tile, start, len, t0;  // t0: start on its worker
+};
+void pack_at(const Tiles& t, int64_t slots, int64_t span, int64_t ovh, int64_t align, int64_t min_piece,
+             std::vector<PackUnit>& units, std::vector<int64_t>& loads) {
+  units.clear();
+  loads.assign(slots, 0);
+  int64_t w = 0, used = 0;
+  for (int64_t i = 0; i < (int64_t)t.size(); ++i) {
+    const int64_t kv = t[i].kv;
+    int64_t s = 0;
+    for (;;) {
+      const int64_t r = kv - s;
+      if (used + r + ovh <= span || w == slots - 1) {
+        units.push_back({i, s, r, used});
+        used += r + ovh;
+        break;
+      }
+      // As much as fits, leaving at least min_piece of the tile for the next worker. Floor division
+      // as Python's // (the room may be negative).
+      const int64_t piece = std::min(floor_div(span - used - ovh, align), floor_div(r - min_piece, align)) * align;
+      if (piece >= min_piece) {
+        units.push_back({i, s, piece, used});
+        s += piece;
+        used += piece + ovh;
+      } else if (used == 0) {  // an empty worker takes the tile whole when it cannot be cut
+        units.push_back({i, s, r, used});
+        used += r + ovh;
+        break;
+      }
+      loads[w] = used;
+      ++w;
+      used = 0;
+    }
+  }
+  loads[w] = used;
+}
+
+// planner._pack: pack_at at the smallest span (bisected) that leaves the last worker no more than the
+// span. Returns the makespan (the largest load).
+int64_t pack(const Tiles& t, int64_t slots, int64_t ovh, int64_t align, int64_t min_piece,
+             std::vector<PackUnit>& units) {
+  int64_t kv_sum = 0, max_kv = 0;
+  for (const Tile& x : t) {
+    kv_sum += x.kv;
+    max_kv = std::max(max_kv, x.kv);
+  }
+  int64_t lo = ceil_div(kv_sum + (int64_t)t.size() * ovh, slots), hi = lo + max_kv + ovh;
+  std::vector<int64_t> loads;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    pack_at(t, slots, mid, ovh, align, min_piece, units, loads);
+    if (loads.back() <= mid) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  pack_at(t, slots, hi, ovh, align, min_piece, units, loads);
+  return *std::max_element(loads.begin(), loads.end());
 }
 
 }  // namespace
@@ -156,22 +221,80 @@ Plan plan_mla(const PlanRequest& in) {
   // ---- buckets (planner.py: bounds from the tile count and the target only).
   const int64_t max_qlen = n_t ? std::min(max_q, q_tile) : 1;
   const int64_t n_work = bucket(std::max(n_t, slots), in.min_work_units);
-  const int64_t n_merge = bucket(std::min(n_t, std::max<int64_t>(slots - n_t, 0)), in.min_work_units);
+  const int64_t n_merge = bucket(slots > n_t ? std::min(n_t, slots - 1) : 0, in.min_work_units);
   const int64_t n_partial = bucket(slots > n_t ? max_qlen * slots : 0, in.min_partial_rows);
   plan.work.resize(n_work * kWorkCols);
   plan.merge.assign(n_merge * kMergeCols, 0);
 
-  // ---- units, each with its cost in keys for the longest-first order.
+  // ---- a ragged batch: pack the keys onto the workers (planner.py: "a ragged batch").
+  std::vector<PackUnit> packed;
+  bool take_pack = false;
+  std::vector<int64_t> pack_splits;  // units per tile of the packed plan
+  if (slots > n_t && max_kv > in.min_chunk) {
+    const int64_t ovh = in.unit_overhead;
+    int64_t longest_a = 0;
+    for (const Tile& x : t) {
+      if (chunk == 0) {
+        longest_a = std::max(longest_a, x.kv);
+      } else {
+        const int64_t n_a = std::max<int64_t>(1, ceil_div(x.kv, chunk));
+        longest_a = std::max(longest_a, std::min(x.kv, ceil_div(ceil_div(x.kv, n_a), align) * align));
+      }
+    }
+    // No packing beats the even share of the keys with one overhead per tile.
+    if (33 * ceil_div(kv_sum + n_t * ovh, slots) < 32 * (longest_a + ovh)) {
+      const int64_t span_b = pack(t, slots, ovh, align, in.min_chunk, packed);
+      pack_splits.assign(n_t, 0);
+      for (const PackUnit& u : packed) ++pack_splits[u.tile];
+      int64_t n_split_tiles = 0, split_rows = 0;
+      for (int64_t i = 0; i < n_t; ++i) {
+        if (pack_splits[i] > 1) {
+          ++n_split_tiles;
+          split_rows += pack_splits[i] * t[i].qlen;
+        }
+      }
+      take_pack = 33 * span_b < 32 * (longest_a + ovh) && (int64_t)packed.size() <= n_work &&
+                  n_split_tiles <= n_merge && split_rows <= n_partial;
+    }
+  }
+
+  // ---- units, each with its sort key: the longest-first order, or the packed plan's start on its worker.
   std::vector<WorkRow> units;
   std::vector<uint32_t> order;  // sort keys: INT32_MAX - cost (ascending keys = descending costs)
-  units.reserve(chunk == 0 ? n_t : n_work);
+  units.reserve(chunk == 0 && !take_pack ? n_t : n_work);
   order.reserve(units.capacity());
   auto add_unit = [&](const Tile& x, int64_t kv_start, int64_t kv_end, int64_t partial, int64_t split, int64_t c) {
     order.push_back((uint32_t)(kInt32Max - c));
     units.push_back({{(int32_t)x.req, (int32_t)x.qstart, (int32_t)x.qlen, (int32_t)x.eoff, (int32_t)kv_start,
                       (int32_t)kv_end, (int32_t)partial, (int32_t)split}});
   };
-  if (chunk == 0) {
+  if (take_pack) {
+    int64_t part_base = 0, n_merges = 0;
+    std::vector<int64_t> tile_base(n_t, -1);
+    for (int64_t i = 0; i < n_t; ++i) {
+      if (pack_splits[i] < 2) continue;
+      const Tile& x = t[i];
+      tile_base[i] = part_base;
+      int32_t* m = plan.merge.data() + n_merges++ * kMergeCols;
+      m[kMergeQStart] = (int32_t)x.qstart;
+      m[kMergeQLen] = (int32_t)x.qlen;
+      m[kMergePartialRow] = (int32_t)part_base;
+      m[kMergeNumSplits] = (int32_t)pack_splits[i];
+      part_base += pack_splits[i] * x.qlen;
+    }
+    int64_t j = 0;
+    for (size_t k = 0; k < packed.size(); ++k) {
+      const PackUnit& u = packed[k];
+      j = (k > 0 && packed[k - 1].tile == u.tile) ? j + 1 : 0;  // a tile's units are consecutive
+      const Tile& x = t[u.tile];
+      const bool last = j == pack_splits[u.tile] - 1;
+      units.push_back({{(int32_t)x.req, (int32_t)x.qstart, (int32_t)x.qlen, (int32_t)x.eoff, (int32_t)u.start,
+                        (int32_t)(last ? kKvEndOpen : u.start + u.len),
+                        (int32_t)(tile_base[u.tile] >= 0 ? tile_base[u.tile] + j * x.qlen : -1), (int32_t)j}});
+      // By start on the worker; ties keep the worker order the units were made in (a stable sort).
+      order.push_back((uint32_t)std::min(u.t0, kInt32Max));
+    }
+  } else if (chunk == 0) {
     for (const Tile& x : t) add_unit(x, 0, kKvEndOpen, -1, 0, x.kv);
   } else {
     int64_t part_base = 0, n_merges = 0;

@@ -37,6 +37,7 @@ struct MergeScratch {
   float s[kWarps];
   float acc[kWarps][kDimCkv / 4];  // partial sums of the 128 columns of a part
   int red[kWarps];
+  int red_live[kWarps];
 };
 
 // A warp's share of one merge: splits first, first + stride, ... of (token row base_row, head), the
@@ -182,9 +183,14 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
     if (m0 + lane < p.num_merge) mr = load_plan_row<kMergeCols>(p.merge, (size_t)(m0 + lane));
     return mr;
   };
-  const MergeRow mr_first = merge_rows(0);
-  // Padding tokens are [end, T), end = one past the last token any unit covers.
-  int end = 0;
+  const MergeRow mr_first = merge_rows(0), mr_second = merge_rows(32);
+  // Padding tokens are [end, T), end = one past the last token any unit covers. The merge rows to
+  // scan are [0, live), live = one past the last row with tokens: the table is bucketed, and each
+  // batch of 32 rows scanned after the wait is a dependent load (~1 us).
+  int end = 0, live = 0;
+  for (int m = tid; m < p.num_merge; m += kThreads) {
+    if (load_plan_row<kMergeCols>(p.merge, (size_t)m)[kMergeQLen] > 0) live = m + 1;
+  }
   for (int w = tid; w < p.num_work; w += kThreads) {
     static_assert(kWorkQStart < 4 && kWorkQLen < 4, "the tokens of a unit are in its first load");
     const auto a = load_plan_row<kWorkCols, 4>(p.work, (size_t)w);
@@ -194,19 +200,28 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
     }
   }
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) end = max(end, __shfl_xor_sync(0xffffffffu, end, off));
-  if (lane == 0) sh.red[tid >> 5] = end;
+  for (int off = 16; off > 0; off >>= 1) {
+    end = max(end, __shfl_xor_sync(0xffffffffu, end, off));
+    live = max(live, __shfl_xor_sync(0xffffffffu, live, off));
+  }
+  if (lane == 0) {
+    sh.red[tid >> 5] = end;
+    sh.red_live[tid >> 5] = live;
+  }
   __syncthreads();
-  end = 0;
+  end = live = 0;
 #pragma unroll
-  for (int k = 0; k < kWarps; ++k) end = max(end, sh.red[k]);
+  for (int k = 0; k < kWarps; ++k) {
+    end = max(end, sh.red[k]);
+    live = max(live, sh.red_live[k]);
+  }
 
   wait_for_primary_grid();  // partials and direct outputs of the attention kernel are complete
 
   // ---- merges: number the tasks 32 merge rows at a time (every warp alike) ----
   long long task_base = 0;
-  for (int m0 = 0; m0 < p.num_merge; m0 += 32) {
-    const MergeRow mr = m0 == 0 ? mr_first : merge_rows(m0);
+  for (int m0 = 0; m0 < live; m0 += 32) {
+    const MergeRow mr = m0 == 0 ? mr_first : m0 == 32 ? mr_second : merge_rows(m0);
     const long long mine = merge_row_ok(p, mr) ? (long long)mr[kMergeQLen] *
                                                      merge_tasks_per_token(mr[kMergeNumSplits], p.num_heads)
                                                : 0;

@@ -174,6 +174,8 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(128, 64, 1, Uniform(1000, 8192, 5), batch=32, tags=_tags("extra", "wide")),
     ArgSpec(20, 64, Uniform(1, 3), Uniform(256, 8192, 3), batch=64, tags=_tags("extra")),
     ArgSpec(40, 16, Uniform(1, 3), Uniform(64, 4096, 4), batch=96, tags=_tags("extra")),
+    ArgSpec(128, 64, 1, Uniform(500, 16384, 7), batch=64, tags=_tags("extra")),
+    ArgSpec(16, 64, 1, Uniform(1, 4096, 3), batch=100, tags=_tags("extra")),
     # ---- planner sweep only
     ArgSpec(16, 64, 1, 8192, batch=8, tags=_tags("planner")),
     ArgSpec(128, 64, 1, 2048, batch=16, tags=_tags("planner")),

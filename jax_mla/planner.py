@@ -285,12 +285,14 @@ def _pack_at(tile_kv: list, slots: int, span: int, ovh: int, align: int, min_pie
     return (u_tile, u_start, u_len, u_t0), loads
 
 
-def _pack(tile_kv: list, slots: int, ovh: int, align: int, min_piece: int):
-    """`_pack_at` at the smallest span (bisected) that leaves the last worker no more than the span,
-    between the even share of the keys plus one overhead per tile and that plus the longest tile.
-    Returns the units and the makespan (the largest load)."""
+def _pack(tile_kv: list, slots: int, ovh: int, align: int, min_piece: int, most: int):
+    """`_pack_at` at the smallest span (bisected) up to `most` that leaves the last worker no more
+    than the span; None if even `most` does not. Returns the units and the makespan (the largest
+    load)."""
     lo = -(-(sum(tile_kv) + len(tile_kv) * ovh) // slots)
-    hi = lo + max(tile_kv) + ovh
+    hi = most
+    if lo > hi or _pack_at(tile_kv, slots, hi, ovh, align, min_piece)[1][-1] > hi:
+        return None
     while lo < hi:
         mid = (lo + hi) // 2
         if _pack_at(tile_kv, slots, mid, ovh, align, min_piece)[1][-1] <= mid:
@@ -414,10 +416,13 @@ def plan_mla_numpy(
         else:
             n_a = np.maximum(1, -(-tile_kv // chunk))
             longest_a = int(np.minimum(tile_kv, -(-(-(-tile_kv // n_a)) // align) * align).max())
-        # No packing beats the even share of the keys with one overhead per tile.
-        even_share = -(-(int(tile_kv.sum()) + n_t * ovh) // slots)
-        packed = _pack(tile_kv.tolist(), slots, ovh, align, target.min_chunk) \
-            if 33 * even_share < 32 * (longest_a + ovh) else None
+        # The longest span worth packing for; at that span a tile of kv keys is at least
+        # ceil(kv / (most - ovh)) units, each with its overhead, which all workers must hold.
+        most = (32 * (longest_a + ovh) - 1) // 33
+        if most - ovh >= align:
+            least_units = int(np.maximum(1, -(-tile_kv // (most - ovh))).sum())
+            if int(tile_kv.sum()) + least_units * ovh <= slots * most:
+                packed = _pack(tile_kv.tolist(), slots, ovh, align, target.min_chunk, most)
     if packed is not None:
         units_b, span_b = packed
         n_split_b = np.bincount(np.asarray(units_b[0], np.int64), minlength=n_t)

@@ -115,17 +115,17 @@ void pack_at(const Tiles& t, int64_t slots, int64_t span, int64_t ovh, int64_t a
   loads[w] = used;
 }
 
-// planner._pack: pack_at at the smallest span (bisected) that leaves the last worker no more than the
-// span. Returns the makespan (the largest load).
-int64_t pack(const Tiles& t, int64_t slots, int64_t ovh, int64_t align, int64_t min_piece,
-             std::vector<PackUnit>& units) {
-  int64_t kv_sum = 0, max_kv = 0;
-  for (const Tile& x : t) {
-    kv_sum += x.kv;
-    max_kv = std::max(max_kv, x.kv);
-  }
-  int64_t lo = ceil_div(kv_sum + (int64_t)t.size() * ovh, slots), hi = lo + max_kv + ovh;
+// planner._pack: pack_at at the smallest span (bisected) up to `most` that leaves the last worker no
+// more than the span; false if even `most` does not. Sets the makespan (the largest load).
+bool pack(const Tiles& t, int64_t slots, int64_t ovh, int64_t align, int64_t min_piece, int64_t most,
+          std::vector<PackUnit>& units, int64_t& span) {
+  int64_t kv_sum = 0;
+  for (const Tile& x : t) kv_sum += x.kv;
+  int64_t lo = ceil_div(kv_sum + (int64_t)t.size() * ovh, slots), hi = most;
   std::vector<int64_t> loads;
+  if (lo > hi) return false;
+  pack_at(t, slots, hi, ovh, align, min_piece, units, loads);
+  if (loads.back() > hi) return false;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
     pack_at(t, slots, mid, ovh, align, min_piece, units, loads);
@@ -136,7 +136,8 @@ int64_t pack(const Tiles& t, int64_t slots, int64_t ovh, int64_t align, int64_t 
     }
   }
   pack_at(t, slots, hi, ovh, align, min_piece, units, loads);
-  return *std::max_element(loads.begin(), loads.end());
+  span = *std::max_element(loads.begin(), loads.end());
+  return true;
 }
 
 }  // namespace
@@ -241,9 +242,16 @@ Plan plan_mla(const PlanRequest& in) {
         longest_a = std::max(longest_a, std::min(x.kv, ceil_div(ceil_div(x.kv, n_a), align) * align));
       }
     }
-    // No packing beats the even share of the keys with one overhead per tile.
-    if (33 * ceil_div(kv_sum + n_t * ovh, slots) < 32 * (longest_a + ovh)) {
-      const int64_t span_b = pack(t, slots, ovh, align, in.min_chunk, packed);
+    // The longest span worth packing for; at that span a tile of kv keys is at least
+    // ceil(kv / (most - ovh)) units, each with its overhead, which all workers must hold.
+    const int64_t most = (32 * (longest_a + ovh) - 1) / 33;
+    int64_t least_units = 0;
+    if (most - ovh >= align) {
+      for (const Tile& x : t) least_units += std::max<int64_t>(1, ceil_div(x.kv, most - ovh));
+    }
+    int64_t span_b = 0;
+    if (most - ovh >= align && kv_sum + least_units * ovh <= slots * most &&
+        pack(t, slots, ovh, align, in.min_chunk, most, packed, span_b)) {
       pack_splits.assign(n_t, 0);
       for (const PackUnit& u : packed) ++pack_splits[u.tile];
       int64_t n_split_tiles = 0, split_rows = 0;

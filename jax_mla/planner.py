@@ -303,6 +303,34 @@ def _pack(tile_kv: list, slots: int, ovh: int, align: int, min_piece: int, most:
     return units, max(loads)
 
 
+def _write_split_units(w, m, n_split, unit_tile, unit_j, kv_start, kv_len, tile_req, tile_qstart, tile_qlen,
+                       tile_eoff) -> int:
+    """Fills the work columns w ([WORK_COLS, W] view) with units j of tiles unit_tile (a tile's units
+    consecutive, keys [kv_start, kv_start + kv_len), the last open) and the merge columns m with the
+    tiles of more than one unit, their partial rows in tile order. Returns the unit count and the
+    partial rows used."""
+    n_units = unit_tile.size
+    u_ns = n_split[unit_tile]
+    u_qlen = tile_qlen[unit_tile]
+    part_rows = np.where(n_split > 1, n_split * tile_qlen, 0)
+    part_base = np.cumsum(part_rows) - part_rows
+    w[W_REQUEST, :n_units] = tile_req[unit_tile]
+    w[W_QSTART, :n_units] = tile_qstart[unit_tile]
+    w[W_QLEN, :n_units] = u_qlen
+    w[W_QEND_OFFSET, :n_units] = tile_eoff[unit_tile]
+    w[W_KV_START, :n_units] = kv_start
+    w[W_KV_END, :n_units] = np.where(unit_j == u_ns - 1, KV_END_OPEN, kv_start + kv_len)
+    w[W_PARTIAL_ROW, :n_units] = np.where(u_ns > 1, part_base[unit_tile] + unit_j * u_qlen, -1)
+    w[W_SPLIT, :n_units] = unit_j
+    split_idx = np.flatnonzero(n_split > 1)
+    assert split_idx.size <= m.shape[1], "merge bucket overflow"
+    m[M_QSTART, : split_idx.size] = tile_qstart[split_idx]
+    m[M_QLEN, : split_idx.size] = tile_qlen[split_idx]
+    m[M_PARTIAL_ROW, : split_idx.size] = part_base[split_idx]
+    m[M_NUM_SPLITS, : split_idx.size] = n_split[split_idx]
+    return n_units, int(part_rows.sum())
+
+
 def plan_mla_numpy(
     qo_lens: Sequence[int] | np.ndarray,
     kv_lens: Sequence[int] | np.ndarray,
@@ -434,29 +462,10 @@ def plan_mla_numpy(
     if packed is not None:
         (u_tile, u_start, u_len, u_t0), _ = packed
         u_tile = np.asarray(u_tile, np.int64)
-        u_start = np.asarray(u_start, np.int64)
-        n_units = u_tile.size
         first = np.r_[True, u_tile[1:] != u_tile[:-1]]  # a tile's units are consecutive
-        unit_j = np.arange(n_units) - np.flatnonzero(first)[np.cumsum(first) - 1]
-        u_ns = n_split_b[u_tile]
-        u_qlen = tile_qlen[u_tile]
-        part_rows = np.where(split_b, n_split_b * tile_qlen, 0)
-        part_base = np.cumsum(part_rows) - part_rows
-        last = unit_j == u_ns - 1
-        w[W_REQUEST, :n_units] = tile_req[u_tile]
-        w[W_QSTART, :n_units] = tile_qstart[u_tile]
-        w[W_QLEN, :n_units] = u_qlen
-        w[W_QEND_OFFSET, :n_units] = tile_eoff[u_tile]
-        w[W_KV_START, :n_units] = u_start
-        w[W_KV_END, :n_units] = np.where(last, KV_END_OPEN, u_start + np.asarray(u_len, np.int64))
-        w[W_PARTIAL_ROW, :n_units] = np.where(u_ns > 1, part_base[u_tile] + unit_j * u_qlen, -1)
-        w[W_SPLIT, :n_units] = unit_j
-        split_idx = np.flatnonzero(split_b)
-        m = merge.T
-        m[M_QSTART, : split_idx.size] = tile_qstart[split_idx]
-        m[M_QLEN, : split_idx.size] = tile_qlen[split_idx]
-        m[M_PARTIAL_ROW, : split_idx.size] = part_base[split_idx]
-        m[M_NUM_SPLITS, : split_idx.size] = n_split_b[split_idx]
+        unit_j = np.arange(u_tile.size) - np.flatnonzero(first)[np.cumsum(first) - 1]
+        n_units, _ = _write_split_units(w, merge.T, n_split_b, u_tile, unit_j, np.asarray(u_start, np.int64),
+                                        np.asarray(u_len, np.int64), tile_req, tile_qstart, tile_qlen, tile_eoff)
         # By start on the worker (ties: worker order, which is the order _pack made them in).
         work[:n_units] = work[np.argsort(np.minimum(np.asarray(u_t0, np.int64), INT32_MAX), kind="stable")]
     elif chunk == 0:
@@ -473,32 +482,14 @@ def plan_mla_numpy(
         tile_chunk = -(-(-(-tile_kv // n_split)) // align) * align  # equal parts, aligned
         tile_chunk = np.maximum(tile_chunk, align)
         n_split = np.maximum(1, -(-tile_kv // tile_chunk))
-        n_units = int(n_split.sum())
         unit_tile = np.repeat(np.arange(n_t), n_split)
-        unit_j = np.arange(n_units) - (np.cumsum(n_split) - n_split)[unit_tile]
-        u_ns = n_split[unit_tile]
-        u_qlen = tile_qlen[unit_tile]
-        part_rows = np.where(n_split > 1, n_split * tile_qlen, 0)
-        part_base = np.cumsum(part_rows) - part_rows
+        unit_j = np.arange(unit_tile.size) - (np.cumsum(n_split) - n_split)[unit_tile]
         u_chunk = tile_chunk[unit_tile]
         kv_start = unit_j * u_chunk
-        last = unit_j == u_ns - 1
-        w[W_REQUEST, :n_units] = tile_req[unit_tile]
-        w[W_QSTART, :n_units] = tile_qstart[unit_tile]
-        w[W_QLEN, :n_units] = u_qlen
-        w[W_QEND_OFFSET, :n_units] = tile_eoff[unit_tile]
-        w[W_KV_START, :n_units] = kv_start
-        w[W_KV_END, :n_units] = np.where(last, KV_END_OPEN, kv_start + u_chunk)
-        w[W_PARTIAL_ROW, :n_units] = np.where(u_ns > 1, part_base[unit_tile] + unit_j * u_qlen, -1)
-        w[W_SPLIT, :n_units] = unit_j
-        u_cost = np.where(last, tile_kv[unit_tile] - kv_start, u_chunk)
-        split_idx = np.flatnonzero(n_split > 1)
-        m = merge.T
-        m[M_QSTART, : split_idx.size] = tile_qstart[split_idx]
-        m[M_QLEN, : split_idx.size] = tile_qlen[split_idx]
-        m[M_PARTIAL_ROW, : split_idx.size] = part_base[split_idx]
-        m[M_NUM_SPLITS, : split_idx.size] = n_split[split_idx]
-        assert split_idx.size <= n_merge and int(part_rows[-1] + part_base[-1]) <= n_partial
+        n_units, n_rows = _write_split_units(w, merge.T, n_split, unit_tile, unit_j, kv_start, u_chunk, tile_req,
+                                             tile_qstart, tile_qlen, tile_eoff)
+        u_cost = np.where(unit_j == n_split[unit_tile] - 1, tile_kv[unit_tile] - kv_start, u_chunk)
+        assert n_rows <= n_partial, "partial-row bucket overflow"
     if packed is None:
         # Longest first: blocks are dispatched in order, so big units must not trail.
         work[:n_units] = work[np.argsort(-u_cost, kind="stable")]

@@ -266,18 +266,17 @@ def _pack_at(tile_kv: list, slots: int, span: int, ovh: int, align: int, min_pie
         while True:
             r = kv - s
             if used + r + ovh <= span or w == slots - 1:
-                u_tile.append(t), u_start.append(s), u_len.append(r), u_t0.append(used)
-                used += r + ovh
-                break
-            # as much as fits, leaving at least min_piece of the tile for the next worker
-            piece = min((span - used - ovh) // align, (r - min_piece) // align) * align
-            if piece >= min_piece:
-                u_tile.append(t), u_start.append(s), u_len.append(piece), u_t0.append(used)
-                s += piece
-                used += piece + ovh
-            elif used == 0:  # an empty worker takes the tile whole when it cannot be cut
-                u_tile.append(t), u_start.append(s), u_len.append(r), u_t0.append(used)
-                used += r + ovh
+                take = r
+            else:
+                # as much as fits, leaving at least min_piece of the tile for the next worker; an empty
+                # worker takes the tile whole when it cannot be cut (-1: nothing here, next worker)
+                piece = min((span - used - ovh) // align, (r - min_piece) // align) * align
+                take = piece if piece >= min_piece else r if used == 0 else -1
+            if take >= 0:
+                u_tile.append(t), u_start.append(s), u_len.append(take), u_t0.append(used)
+                s += take
+                used += take + ovh
+            if s == kv:  # the tile is placed; the next one starts on this worker
                 break
             loads[w] = used
             w, used = w + 1, 0
@@ -304,7 +303,7 @@ def _pack(tile_kv: list, slots: int, ovh: int, align: int, min_piece: int, most:
 
 
 def _write_split_units(w, m, n_split, unit_tile, unit_j, kv_start, kv_len, tile_req, tile_qstart, tile_qlen,
-                       tile_eoff) -> int:
+                       tile_eoff) -> tuple[int, int]:
     """Fills the work columns w ([WORK_COLS, W] view) with units j of tiles unit_tile (a tile's units
     consecutive, keys [kv_start, kv_start + kv_len), the last open) and the merge columns m with the
     tiles of more than one unit, their partial rows in tile order. Returns the unit count and the
@@ -438,12 +437,12 @@ def plan_mla_numpy(
     # buckets above (which depend on the tile count only).
     packed = None
     ovh = target.unit_overhead
+    if chunk:  # equal parts of each tile, aligned
+        n_split = np.maximum(1, -(-tile_kv // chunk))
+        tile_chunk = np.maximum(-(-(-(-tile_kv // n_split)) // align) * align, align)
+        n_split = np.maximum(1, -(-tile_kv // tile_chunk))
     if slots > n_t and max_kv > target.min_chunk:
-        if chunk == 0:
-            longest_a = max_kv
-        else:
-            n_a = np.maximum(1, -(-tile_kv // chunk))
-            longest_a = int(np.minimum(tile_kv, -(-(-(-tile_kv // n_a)) // align) * align).max())
+        longest_a = int(np.minimum(tile_kv, tile_chunk).max()) if chunk else max_kv
         # The longest span worth packing for; at that span a tile of kv keys is at least
         # ceil(kv / (most - ovh)) units, each with its overhead, which all workers must hold.
         most = (32 * (longest_a + ovh) - 1) // 33
@@ -478,10 +477,6 @@ def plan_mla_numpy(
         w[W_PARTIAL_ROW, :n_t] = -1
         u_cost = tile_kv
     else:
-        n_split = np.maximum(1, -(-tile_kv // chunk))
-        tile_chunk = -(-(-(-tile_kv // n_split)) // align) * align  # equal parts, aligned
-        tile_chunk = np.maximum(tile_chunk, align)
-        n_split = np.maximum(1, -(-tile_kv // tile_chunk))
         unit_tile = np.repeat(np.arange(n_t), n_split)
         unit_j = np.arange(unit_tile.size) - (np.cumsum(n_split) - n_split)[unit_tile]
         u_chunk = tile_chunk[unit_tile]

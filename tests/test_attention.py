@@ -22,7 +22,8 @@ import pytest
 from jax_mla import PlanTarget, mla_paged_attention, mla_paged_attention_reference, plan_mla
 from jax_mla import _ffi
 from jax_mla.attention import CUDA_DIMS
-from jax_mla.planner import KV_END_OPEN, M_NUM_SPLITS, M_QLEN, W_KV_END, W_PARTIAL_ROW, W_QLEN
+from jax_mla.planner import (KV_END_OPEN, M_NUM_SPLITS, M_QLEN, W_KV_END, W_KV_START, W_PARTIAL_ROW, W_QLEN,
+                             W_REQUEST)
 from jax_mla.testing import no_split_target, random_paged_batch, rel_err, split_target
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
@@ -229,8 +230,8 @@ def test_ragged_batch_packed_onto_workers(heads, max_q):
     plan = plan_mla(qo, kv, num_heads=heads, page_size=16, target=target)
     work = np.asarray(plan.work)
     live = work[work[:, W_QLEN] > 0]
-    ends = np.where(live[:, W_KV_END] == KV_END_OPEN, kv[live[:, 0]], live[:, W_KV_END])
-    assert (np.diff(ends - live[:, 4]) > 0).any(), f"not packed: {plan.describe()}"
+    ends = np.where(live[:, W_KV_END] == KV_END_OPEN, kv[live[:, W_REQUEST]], live[:, W_KV_END])
+    assert (np.diff(ends - live[:, W_KV_START]) > 0).any(), f"not packed: {plan.describe()}"
     assert (live[:, W_PARTIAL_ROW] >= 0).any()
     check_against_reference(batch, plan)
 

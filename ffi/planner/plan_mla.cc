@@ -15,6 +15,13 @@ constexpr int64_t kInt32Max = 2147483647;
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }  // a >= 0, b > 0
 int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }  // b > 0, as Python's //
 
+// planner.py's equal parts: the part length of a tile of kv keys cut at about `chunk` keys, aligned
+// (the tile then has ceil(kv / part) parts).
+int64_t equal_part(int64_t kv, int64_t chunk, int64_t align) {
+  const int64_t n = std::max<int64_t>(1, ceil_div(kv, chunk));
+  return std::max(ceil_div(ceil_div(kv, n), align) * align, align);
+}
+
 // planner.bucket: smallest power of two >= max(n, minimum, 1).
 int64_t bucket(int64_t n, int64_t minimum) {
   n = std::max({n, minimum, int64_t{1}});
@@ -90,23 +97,20 @@ void pack_at(const Tiles& t, int64_t slots, int64_t span, int64_t ovh, int64_t a
     int64_t s = 0;
     for (;;) {
       const int64_t r = kv - s;
-      if (used + r + ovh <= span || w == slots - 1) {
-        units.push_back({i, s, r, used});
-        used += r + ovh;
-        break;
+      int64_t take = r;
+      if (used + r + ovh > span && w < slots - 1) {
+        // As much as fits, leaving at least min_piece of the tile for the next worker (floor division
+        // as Python's //: the room may be negative); an empty worker takes the tile whole when it
+        // cannot be cut (-1: nothing here, next worker).
+        const int64_t piece = std::min(floor_div(span - used - ovh, align), floor_div(r - min_piece, align)) * align;
+        take = piece >= min_piece ? piece : used == 0 ? r : -1;
       }
-      // As much as fits, leaving at least min_piece of the tile for the next worker. Floor division
-      // as Python's // (the room may be negative).
-      const int64_t piece = std::min(floor_div(span - used - ovh, align), floor_div(r - min_piece, align)) * align;
-      if (piece >= min_piece) {
-        units.push_back({i, s, piece, used});
-        s += piece;
-        used += piece + ovh;
-      } else if (used == 0) {  // an empty worker takes the tile whole when it cannot be cut
-        units.push_back({i, s, r, used});
-        used += r + ovh;
-        break;
+      if (take >= 0) {
+        units.push_back({i, s, take, used});
+        s += take;
+        used += take + ovh;
       }
+      if (s == kv) break;  // the tile is placed; the next one starts on this worker
       loads[w] = used;
       ++w;
       used = 0;
@@ -238,8 +242,7 @@ Plan plan_mla(const PlanRequest& in) {
       if (chunk == 0) {
         longest_a = std::max(longest_a, x.kv);
       } else {
-        const int64_t n_a = std::max<int64_t>(1, ceil_div(x.kv, chunk));
-        longest_a = std::max(longest_a, std::min(x.kv, ceil_div(ceil_div(x.kv, n_a), align) * align));
+        longest_a = std::max(longest_a, std::min(x.kv, equal_part(x.kv, chunk, align)));
       }
     }
     // The longest span worth packing for; at that span a tile of kv keys is at least
@@ -307,9 +310,8 @@ Plan plan_mla(const PlanRequest& in) {
   } else {
     int64_t part_base = 0, n_merges = 0;
     for (const Tile& x : t) {
-      int64_t n_split = std::max<int64_t>(1, ceil_div(x.kv, chunk));
-      const int64_t tile_chunk = std::max(ceil_div(ceil_div(x.kv, n_split), align) * align, align);
-      n_split = std::max<int64_t>(1, ceil_div(x.kv, tile_chunk));
+      const int64_t tile_chunk = equal_part(x.kv, chunk, align);
+      const int64_t n_split = std::max<int64_t>(1, ceil_div(x.kv, tile_chunk));
       for (int64_t j = 0; j < n_split; ++j) {
         const int64_t kv_start = j * tile_chunk;
         const bool last = j == n_split - 1;

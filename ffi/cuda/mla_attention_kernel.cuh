@@ -78,7 +78,8 @@ using Tile32 = TileShape<2, 32, 4>;
 using Tile64 = TileShape<4, 32, 3>;
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
-constexpr int kAttentionSmemBytes = cmax(cmax(Tile32::BYTES, Tile64::BYTES), NarrowShape64x3::BYTES);
+constexpr int kAttentionSmemBytes =
+    cmax(cmax(Tile32::BYTES, Tile64::BYTES), cmax(NarrowShape64x3::BYTES, NarrowShapeFp8::BYTES));
 static_assert(kAttentionSmemBytes <= 227 * 1024, "one block per SM must fit");
 
 template <typename T, typename Shape, int kCache = kCacheAsQuery>
@@ -366,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_attention_kernel(const Proble
   const int rows = u.q_len * hb;
   if (rows > kRowsPerTile) return;  // cannot happen with q_len <= q_tile; keeps tiles in bounds
   if (rows <= 16) {
-    attend_unit_narrow<T, NarrowShape64x3, kCache>(p, u, h0, hb, smem);  // finishes the unit after its first loads
+    attend_unit_narrow<T, NarrowShapeFor<kCache>, kCache>(p, u, h0, hb, smem);  // finishes the unit after its first loads
     return;
   }
   finish_unit(p, u);

@@ -1,7 +1,9 @@
 // The FP8 (e4m3) latent cache in the kernels: the one place where every body
 // (narrow, portable wide) gathers a key row, turns fp8 into its MMA type and
 // applies the scales. (The wgmma wide body's producer converts whole stages
-// with fp8x8_to, in fp16: wide_producer_fp8 in mla_wide_sm90.cuh.)
+// with fp8x8_to, in fp16: wide_producer_fp8 in mla_wide_sm90.cuh. The narrow
+// body keeps an fp8 ckv raw in shared memory and converts the MMA fragments in
+// registers: fp8x4_to_half2x2 below, "fp8 in registers" in mla_narrow_kernel.cuh.)
 //
 // A stage row holds one key as 72 16-byte chunks of the MMA type T (bf16 or
 // fp16): chunks 0-63 the latent (ckv), 64-71 the rope part (kpe). An fp8 row is
@@ -86,6 +88,84 @@ __device__ __forceinline__ uint4 fp8x8_to(uint2 raw) {
     }
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// Four e4m3 values (one word, lowest byte first) as two fp16 pairs, exactly: bytes 0-1 -> .x,
+// bytes 2-3 -> .y (one cvt a pair on sm_89+). The narrow body's B fragments of S: a word that
+// ldmatrix gives a lane from fp8 rows holds dims 4 t .. 4 t + 3 of one key.
+__device__ __forceinline__ uint2 fp8x4_to_half2x2(uint32_t w) {
+  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
+  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
+  return make_uint2((uint32_t)lo.x | ((uint32_t)lo.y << 16), (uint32_t)hi.x | ((uint32_t)hi.y << 16));
+}
+
+// The same for a word that ldmatrix.trans gives from fp8 rows: (key k, dims d, d + 1), then (key k + 1,
+// dims d, d + 1). Returns dim d of both keys (.x) and dim d + 1 of both (.y): the B fragments of P V
+// for two output columns.
+__device__ __forceinline__ uint2 fp8x4_trans_to_half2x2(uint32_t w) {
+  return fp8x4_to_half2x2(__byte_perm(w, 0u, 0x3120));
+}
+
+// The power of two k that brings a query row of largest magnitude `amax` just under 2^15 (amax
+// 2^k < 2^15), where fp16 keeps every value a bf16 row holds down to 2^-24 of its largest at full
+// precision (smaller ones cannot move a score). An all-zero (padding) or non-finite row keeps 0.
+__device__ __forceinline__ int fp8_query_exponent(float amax) {
+  int k = 0;
+  if (amax > 0.f && amax <= 3.0e38f) {
+    int ex;
+    frexpf(amax, &ex);  // amax < 2^ex
+    k = min(max(15 - ex, -100), 100);
+  }
+  return k;
+}
+
+// The narrow body's queries with an fp8 ckv kept raw (mla_narrow_kernel.cuh), in place in their
+// staging rows (16 rows of T; chunk(r, c) the shared address of chunk c of row r): row r's latent
+// part times 2^k_r into fp16 (the latent MMAs multiply fp16 by fp16 keys), its rope part times
+// rope_factor 2^k_r, rounded once to T (kpe stays T). Warp w rewrites rows 2 w and 2 w + 1, a lane
+// its chunks lane + 32 i, and returns 2^-k_r for them: the factor on those rows' softmax scale (the
+// softmax rows of warp w are the same two). The caller synchronises the block before fragments are read.
+template <typename T, typename RowChunkAddr>
+__device__ __forceinline__ void narrow_prepare_queries_fp8(RowChunkAddr chunk, int warp, int lane, float rope_factor,
+                                                           float (&row_scale)[2]) {
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int r = 2 * warp + rr;
+    uint4 v[3];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const int c = lane + 32 * i;
+      if (c >= kChunksPerKey) break;
+      v[i] = ld_shared_v4(chunk(r, c));
+      const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+      float m = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = unpack2<T>(w[e]);
+        m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+      amax = fmaxf(amax, c < 64 ? m : m * fabsf(rope_factor));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    const int k = fp8_query_exponent(amax);
+    const float factor = __int_as_float((127 + k) << 23);  // 2^k
+    row_scale[rr] = __int_as_float((127 - k) << 23);       // 2^-k
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const int c = lane + 32 * i;
+      if (c >= kChunksPerKey) break;
+      uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 x = unpack2<T>(w[e]);
+        w[e] = c < 64 ? pack2<__half>(x.x * factor, x.y * factor)
+                      : pack2<T>(x.x * factor * rope_factor, x.y * factor * rope_factor);
+      }
+      st_shared_v4(chunk(r, c), make_uint4(w[0], w[1], w[2], w[3]));
+    }
+  }
 }
 
 // The type the wgmma body (mla_wide_sm90.cuh) multiplies the latent part in: the queries' type, or

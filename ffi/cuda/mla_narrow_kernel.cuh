@@ -18,6 +18,28 @@
 // Keys are gathered with cp.async through the same page-id ring as the wide
 // body (mla_attention_kernel.cuh); split units write the same float32
 // partials for mla_merge_kernel.
+//
+// fp8 in registers. With an e4m3 ckv (kpe in the query type) the key rows stay
+// raw in shared memory (640 bytes a key instead of 1152)
+// and each warp converts the fragments it loads, in registers (one cvt a pair,
+// exact): nothing is written back, no barrier is added, and every ldmatrix
+// brings twice the keys. The latent MMAs multiply in fp16 (e4m3 -> fp16 is one
+// cvt; to bf16 it is four operations), so the queries' latent part is brought
+// into fp16 once per unit by a power of two per row (narrow_prepare_queries_fp8).
+// The fragments' element order is what ldmatrix gives from bytes, which the
+// MMAs then see as a permutation of the summed dims (S) and of the output
+// columns (P V):
+//   * S: a lane's word holds dims 4t .. 4t+3 of one key, i.e. k-slots 2t, 2t+1
+//     (b0) and 2t+8, 2t+9 (b1) of a 16-dim step are dims 4t, 4t+1 and 4t+2,
+//     4t+3; the query's A fragment is loaded in that same order, so each product
+//     pairs the right dims and the sum is unchanged.
+//   * P V: ldmatrix.trans of bytes gives a lane (key 2t, dims 2g, 2g+1) and
+//     (key 2t+1, same dims); one byte permute makes dim 2g of both keys the B
+//     fragment of one n8 tile and dim 2g+1 that of a second, so the tiles of a
+//     16-dim chunk hold its even and its odd columns, and a lane ends with four
+//     adjacent output columns (store_tile_row's GROUP 2).
+// An fp8 kpe keeps the path of the portable body: the stage expanded in place
+// to T (expand_fp8_stage).
 #pragma once
 
 #include "mla_common.cuh"
@@ -34,10 +56,11 @@ namespace cuda {
 // spends buy the third 64-key stage here (3 x 72 KiB).
 constexpr int kNarrowRowBytes = kDimKey * 2;  // 1152
 
-template <int BK_, int STAGES_>
+template <int BK_, int STAGES_, int ROW_BYTES_ = kNarrowRowBytes>
 struct NarrowShape {
   static constexpr int BK = BK_;
   static constexpr int STAGES = STAGES_;
+  static constexpr int ROW_BYTES = ROW_BYTES_;            // a key row of a stage (the queries' staging rows: 1152)
   static constexpr int ROWS = 16;
   static constexpr int KGROUPS = BK / 16;                 // 16-key groups per stage
   static constexpr int DS = kWarps / KGROUPS;             // dim slices per key group
@@ -52,7 +75,7 @@ struct NarrowShape {
   // Byte offsets. The queries are staged once in the last key stage, which the
   // prologue leaves empty, on their way into registers.
   static constexpr int KV_OFF = 0;
-  static constexpr int S_OFF = KV_OFF + STAGES * BK * kNarrowRowBytes;
+  static constexpr int S_OFF = KV_OFF + STAGES * BK * ROW_BYTES;
   static constexpr int ALPHA_OFF = S_OFF + DS * ROWS * S_STRIDE * 4;
   static constexpr int LSUM_OFF = ALPHA_OFF + ROWS * 4;
   static constexpr int MFIN_OFF = LSUM_OFF + ROWS * 4;
@@ -63,12 +86,22 @@ struct NarrowShape {
 
   static_assert(KGROUPS * DS == kWarps && DS * KSTEPS * 16 == kDimKey, "warps tile keys x dims");
   static_assert(BK % 32 == 0 && ROWS == 2 * kWarps, "softmax: two rows per warp, whole lanes per key");
-  static_assert(STAGES >= 2 && BK >= ROWS, "queries are staged in the last key stage");
+  static_assert(STAGES >= 2 && BK * ROW_BYTES >= ROWS * kNarrowRowBytes, "queries are staged in the last key stage");
+  static_assert(ROW_BYTES % 128 == 0, "the swizzle spreads eight rows over all banks");
   static_assert(S_OFF % 16 == 0 && (S_STRIDE * 4) % 16 == 0, "ldmatrix rows are 16-byte aligned");
 };
 
 // 64 keys x 3 stages: the best of the shapes compared across the target shapes (ffi/cuda/NOTES.md).
 using NarrowShape64x3 = NarrowShape<64, 3>;
+// An fp8 ckv kept raw: 640-byte rows (32 chunks of e4m3 latent, 8 of kpe). Three stages, as for 16-bit
+// rows: four and five took the same time (ffi/cuda/NOTES.md, "fp8 in registers"): the body, not the
+// copy, bounds it.
+using NarrowShapeFp8 = NarrowShape<64, 3, kDimCkv + 2 * kDimKpe>;
+// Whether the narrow body keeps the cache's key rows raw and converts fragments in registers.
+template <int kCache>
+constexpr bool kNarrowRawFp8 = kCache == kCacheFp8Ckv;
+template <int kCache>
+using NarrowShapeFor = std::conditional_t<kNarrowRawFp8<kCache>, NarrowShapeFp8, NarrowShape64x3>;
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {
@@ -78,7 +111,16 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
 template <typename T, typename Shape, int kCache = kCacheAsQuery>
 __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int h0, int hb, char* smem) {
   constexpr int BK = Shape::BK, STAGES = Shape::STAGES, DS = Shape::DS, KSTEPS = Shape::KSTEPS;
-  constexpr int KPL = Shape::KPL, PASSES = Shape::PASSES;
+  constexpr int KPL = Shape::KPL, PASSES = Shape::PASSES, ROW = Shape::ROW_BYTES;
+  // fp8 in registers (the file's head): raw rows, fp16 latent MMAs and P.
+  constexpr bool kRaw8 = kNarrowRawFp8<kCache>;
+  static_assert(!kRaw8 || ROW == kDimCkv + 2 * kDimKpe, "raw fp8 rows: 32 chunks of latent, 8 of kpe");
+  static_assert(kRaw8 || ROW == kNarrowRowBytes, "rows of T");
+  static_assert(!kRaw8 || (DS == 2 && KSTEPS == 18), "a dim slice: 16 fp8 latent steps, then 2 rope steps");
+  using PT = std::conditional_t<kRaw8, __half, T>;  // P, and the latent MMAs' type
+  // gather_key_row puts an fp8 row's raw latent at chunk CacheFormat::kRaw (where the expansion
+  // wants it) and kpe at 64; a raw row starts at the latent: chunk c of the gather is c - C0 here.
+  constexpr int C0 = kRaw8 ? CacheFormat<kCache>::kRaw : 0;
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -86,7 +128,7 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   const int rows = u.q_len * hb;
 
   const uint32_t s_kv = smem_addr(smem + Shape::KV_OFF);
-  const uint32_t s_q = s_kv + (STAGES - 1) * BK * kNarrowRowBytes;  // staging only
+  const uint32_t s_q = s_kv + (STAGES - 1) * BK * ROW;  // staging only (rows of kNarrowRowBytes)
   float* s_part = reinterpret_cast<float*>(smem + Shape::S_OFF);
   float* alpha_s = reinterpret_cast<float*>(smem + Shape::ALPHA_OFF);
   float* lsum_s = reinterpret_cast<float*>(smem + Shape::LSUM_OFF);
@@ -114,7 +156,7 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
     const int stage = blk % STAGES;
     gather_key_block<kCache, BK, Shape::PAGE_RING, PASSES>(
         p, u, page_ring, key_ok, kv_begin, blk, stage, tid,
-        [&](int kl, int c) { return s_kv + (stage * BK + kl) * kNarrowRowBytes + ((c ^ (kl & 7)) << 4); });
+        [&](int kl, int c) { return s_kv + (stage * BK + kl) * ROW + (((c - C0) ^ (kl & 7)) << 4); });
   };
 
   // Prologue: queries and the pages of blocks 0 .. 2S-3 in one round trip, with
@@ -128,7 +170,14 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   num_blocks = (u.range_end - kv_begin + BK - 1) / BK;
   cp_async_wait<0>();
   __syncthreads();
-  scale_rope_queries<T, kCache>([&](int r, int c) { return s_q + swz(r, c); }, Shape::ROWS, scales.rope_query);
+  float row_scale[2] = {1.f, 1.f};  // softmax rows 2w, 2w+1: the queries' power of two (fp8 in registers)
+  if constexpr (kRaw8) {
+    narrow_prepare_queries_fp8<T>([&](int r, int c) { return s_q + swz(r, c); }, warp, lane, scales.rope_query,
+                                  row_scale);
+    __syncthreads();
+  } else {
+    scale_rope_queries<T, kCache>([&](int r, int c) { return s_q + swz(r, c); }, Shape::ROWS, scales.rope_query);
+  }
 
   // ---- roles ----
   // S: key group kgrp (keys 16 kgrp .. +16 of the stage), dim slice ds (k16 steps
@@ -139,13 +188,34 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8;
   const int a_chunk = lane >> 4;  // A operand: column 8 * a_chunk of the 16-wide step
   uint32_t qf[KSTEPS][4];
+  if constexpr (kRaw8) {
+    // Slice ds: latent steps 16 ds .. 16 ds + 15 (fp16, in the order of the keys' words: dims 4 t4 ..
+    // 4 t4 + 3 of a step as k-slots 2 t4, 2 t4 + 1, 2 t4 + 8, 2 t4 + 9), then rope steps 2 ds, 2 ds + 1.
 #pragma unroll
-  for (int j = 0; j < KSTEPS; ++j) {
-    const int c = (ds * KSTEPS + j) * 2 + a_chunk;
-    ldmatrix_x4(qf[j], s_q + a_row * kNarrowRowBytes + ((c ^ sw) << 4));
+    for (int j = 0; j < 16; ++j) {
+      const int c = 2 * (16 * ds + j) + (t4 >> 1), off = 8 * (t4 & 1);
+      const uint2 lo = ld_shared_v2(s_q + swz(g, c) + off), hi = ld_shared_v2(s_q + swz(g + 8, c) + off);
+      qf[j][0] = lo.x;
+      qf[j][1] = hi.x;
+      qf[j][2] = lo.y;
+      qf[j][3] = hi.y;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int c = 64 + 2 * (2 * ds + j) + a_chunk;
+      ldmatrix_x4(qf[16 + j], s_q + a_row * kNarrowRowBytes + ((c ^ sw) << 4));
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < KSTEPS; ++j) {
+      const int c = (ds * KSTEPS + j) * 2 + a_chunk;
+      ldmatrix_x4(qf[j], s_q + a_row * kNarrowRowBytes + ((c ^ sw) << 4));
+    }
   }
   const int kb_key = kgrp * 16 + (lane & 7) + (lane >> 4) * 8;
   const int kb_chunk = (ds * KSTEPS) * 2 + ((lane >> 3) & 1);
+  // fp8 latent: matrices (keys 0-7, step j), (8-15, j), (0-7, j + 1), (8-15, j + 1) of the key group.
+  const int k8_key = kgrp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
 
   // Softmax: rows 2w and 2w+1, keys lane*KPL .. +KPL of the stage.
   int row_limit[2];
@@ -155,6 +225,7 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   for (int rr = 0; rr < 2; ++rr) {
     const int r = 2 * warp + rr;
     row_limit[rr] = row_key_limit(u, r, rows, hb);
+    row_scale[rr] *= scale_log2;
   }
 
   // PV: columns 64w .. 64w+63, all 16 rows.
@@ -182,10 +253,10 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
       cp_async_commit();
     }
     const int stage = blk % STAGES;
-    const uint32_t s_k = s_kv + stage * BK * kNarrowRowBytes;
+    const uint32_t s_k = s_kv + stage * BK * ROW;
     const int key0 = kv_begin + blk * BK;
-    expand_fp8_stage<T, kCache, BK>(
-        [&](int key, int c) { return s_k + key * kNarrowRowBytes + ((c ^ (key & 7)) << 4); });
+    if constexpr (!kRaw8)
+      expand_fp8_stage<T, kCache, BK>([&](int key, int c) { return s_k + key * ROW + ((c ^ (key & 7)) << 4); });
 
     // ---- partial S over this warp's dim slice; four independent mma chains ----
     {
@@ -196,13 +267,34 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[c][nt][e] = 0.f;
-      const uint32_t k_row = s_k + kb_key * kNarrowRowBytes;
+      const uint32_t k_row = s_k + kb_key * ROW;
+      if constexpr (kRaw8) {
+        const uint32_t k8_row = s_k + k8_key * ROW;
 #pragma unroll
-      for (int j = 0; j < KSTEPS; ++j) {
-        uint32_t kb[4];
-        ldmatrix_x4(kb, k_row + (((kb_chunk + 2 * j) ^ sw) << 4));
-        mma_16816<T>(acc[j & 1][0], qf[j], kb[0], kb[1]);
-        mma_16816<T>(acc[j & 1][1], qf[j], kb[2], kb[3]);
+        for (int j = 0; j < 16; j += 2) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, k8_row + (((16 * ds + j + (lane >> 4)) ^ sw) << 4));
+#pragma unroll
+          for (int m = 0; m < 4; ++m) {
+            const uint2 b = fp8x4_to_half2x2(kb[m]);
+            mma_16816<__half>(acc[m >> 1][m & 1], qf[j + (m >> 1)], b.x, b.y);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {  // rope: chunks 32 + 2 (2 ds + j) of the raw row, in T
+          uint32_t kb[4];
+          ldmatrix_x4(kb, k_row + (((32 + 2 * (2 * ds + j) + ((lane >> 3) & 1)) ^ sw) << 4));
+          mma_16816<T>(acc[j][0], qf[16 + j], kb[0], kb[1]);
+          mma_16816<T>(acc[j][1], qf[16 + j], kb[2], kb[3]);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < KSTEPS; ++j) {
+          uint32_t kb[4];
+          ldmatrix_x4(kb, k_row + (((kb_chunk + 2 * j) ^ sw) << 4));
+          mma_16816<T>(acc[j & 1][0], qf[j], kb[0], kb[1]);
+          mma_16816<T>(acc[j & 1][1], qf[j], kb[2], kb[3]);
+        }
       }
       float* sp = s_part + ds * Shape::ROWS * Shape::S_STRIDE;
 #pragma unroll
@@ -240,7 +332,7 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
       for (int kk = 0; kk < KPL; ++kk) {
         const int kl = lane * KPL + kk;
         const bool vis = key_ok[stage * BK + kl] != 0 && key0 + kl < row_limit[rr];
-        s[kk] = vis ? s[kk] * scale_log2 : -INFINITY;
+        s[kk] = vis ? s[kk] * (kRaw8 ? row_scale[rr] : scale_log2) : -INFINITY;
         mx = fmaxf(mx, s[kk]);
       }
 #pragma unroll
@@ -259,12 +351,12 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
       // P row r overwrites the slice-0 scores of row r, which this warp alone reads
       // (all lanes have: the shuffles above waited for every lane's loads).
       __syncwarp();
-      T* prow = reinterpret_cast<T*>(s_part) + r * Shape::P_STRIDE + lane * KPL;
+      PT* prow = reinterpret_cast<PT*>(s_part) + r * Shape::P_STRIDE + lane * KPL;
       if constexpr (KPL == 2) {
-        *reinterpret_cast<uint32_t*>(prow) = pack2<T>(s[0], s[1]);
+        *reinterpret_cast<uint32_t*>(prow) = pack2<PT>(s[0], s[1]);
       } else {
 #pragma unroll
-        for (int kk = 0; kk < KPL; ++kk) prow[kk] = from_float<T>(s[kk]);
+        for (int kk = 0; kk < KPL; ++kk) prow[kk] = from_float<PT>(s[kk]);
       }
       if (lane == 0) alpha_s[r] = alpha;
     }
@@ -273,18 +365,34 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
     // ---- O = alpha O + P V over this warp's 64 columns ----
     {
       rescale_rows(o, alpha_s[g], alpha_s[g + 8]);
-      // V rows (keys) ks*16 + a_row; columns 64w + 16 np + 8 a_chunk, i.e. chunk 8w + 2np + a_chunk.
-      const uint32_t v_row = s_k + a_row * kNarrowRowBytes;
+      const uint32_t v_row = s_k + a_row * ROW;
 #pragma unroll
       for (int ks = 0; ks < BK / 16; ++ks) {
         uint32_t pa[4];
         ldmatrix_x4(pa, p_lane + ks * 32);
+        if constexpr (kRaw8) {
+          // V rows (keys) ks*16 + a_row; fp8 chunks 4w + 2np + a_chunk (16 columns each). o[2 cl + e]:
+          // chunk 4w + cl of the warp, its even (e = 0) or odd (e = 1) columns.
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
-          uint32_t vb[4];
-          ldmatrix_x4_trans(vb, v_row + ks * 16 * kNarrowRowBytes + (((warp * 8 + np * 2 + a_chunk) ^ sw) << 4));
-          mma_16816<T>(o[2 * np], pa, vb[0], vb[1]);
-          mma_16816<T>(o[2 * np + 1], pa, vb[2], vb[3]);
+          for (int np = 0; np < 2; ++np) {
+            uint32_t vb[4];
+            ldmatrix_x4_trans(vb, v_row + ks * 16 * ROW + (((warp * 4 + np * 2 + a_chunk) ^ sw) << 4));
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // vb[2h]: keys 0-7 of chunk 2np + h, vb[2h + 1]: keys 8-15
+              const uint2 lo = fp8x4_trans_to_half2x2(vb[2 * h]), hi = fp8x4_trans_to_half2x2(vb[2 * h + 1]);
+              mma_16816<__half>(o[4 * np + 2 * h], pa, lo.x, hi.x);
+              mma_16816<__half>(o[4 * np + 2 * h + 1], pa, lo.y, hi.y);
+            }
+          }
+        } else {
+          // V rows (keys) ks*16 + a_row; columns 64w + 16 np + 8 a_chunk, i.e. chunk 8w + 2np + a_chunk.
+#pragma unroll
+          for (int np = 0; np < 4; ++np) {
+            uint32_t vb[4];
+            ldmatrix_x4_trans(vb, v_row + ks * 16 * ROW + (((warp * 8 + np * 2 + a_chunk) ^ sw) << 4));
+            mma_16816<T>(o[2 * np], pa, vb[0], vb[1]);
+            mma_16816<T>(o[2 * np + 1], pa, vb[2], vb[3]);
+          }
         }
       }
     }
@@ -309,8 +417,16 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   for (int e = 0; e < 2; ++e) {
     const int r = g + 8 * e;
     if (r >= rows) continue;
-    store_tile_row<T, 8>(p, u, h0, hb, r, warp * 64 + 2 * t4, lsum_s[r], mfin_s[r], scales.out, warp == 0 && t4 == 0,
-                         [&](int nt) { return make_float2(o[nt][2 * e], o[nt][2 * e + 1]); });
+    if constexpr (kRaw8) {  // pair j: columns 64w + 16 (j / 2) + 4 t4 + 2 (j % 2) + {0, 1}
+      store_tile_row<T, 8, 2>(p, u, h0, hb, r, warp * 64 + 4 * t4, lsum_s[r], mfin_s[r], scales.out,
+                              warp == 0 && t4 == 0, [&](int j) {
+                                const int cl = j >> 1, x = 2 * e + (j & 1);
+                                return make_float2(o[2 * cl][x], o[2 * cl + 1][x]);
+                              });
+    } else {
+      store_tile_row<T, 8>(p, u, h0, hb, r, warp * 64 + 2 * t4, lsum_s[r], mfin_s[r], scales.out,
+                           warp == 0 && t4 == 0, [&](int nt) { return make_float2(o[nt][2 * e], o[nt][2 * e + 1]); });
+    }
   }
 }
 

@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
       claim_registers<232>();
     }
     if (rows <= 16) {
-      attend_unit_narrow<T, NarrowShape64x3, kCache>(p, u, h0, hb, smem);
+      attend_unit_narrow<T, NarrowShapeFor<kCache>, kCache>(p, u, h0, hb, smem);
     } else if constexpr (!kWgmmaCache || kWide64) {
       finish_unit(p, u);
       attend_unit_wide_portable<T, kCache>(p, u, h0, hb, smem);

@@ -83,8 +83,10 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
 // Epilogue of tile row r: O / l (l = 0: no key, zeros; a NaN l stays NaN) times out_scale (an fp8
 // cache's scale, mla_fp8.cuh), stored in the query type, or in float32 as a split unit's partial
 // for the merge; and, where write_lse, the row's LSE (natural log; -inf with no key). m_log2 is the
-// row's running max in base 2. The thread holds NPAIRS column pairs at col0 + 8 j: pair(j) gives them.
-template <typename T, int NPAIRS, typename Pair>
+// row's running max in base 2. The thread holds NPAIRS column pairs, pair(j) gives them: in groups of
+// GROUP adjacent pairs, group i at col0 + 8 GROUP i (the m16n8 layout: GROUP 1, pair j at col0 + 8 j;
+// the narrow body's fp8 P V holds four adjacent columns, GROUP 2).
+template <typename T, int NPAIRS, int GROUP = 1, typename Pair>
 __device__ __forceinline__ void store_tile_row(const Problem& p, const Unit& u, int h0, int hb, int r, int col0,
                                                float l, float m_log2, float out_scale, bool write_lse, Pair pair) {
   const float inv = l != 0.f ? out_scale / l : 0.f;
@@ -96,7 +98,7 @@ __device__ __forceinline__ void store_tile_row(const Problem& p, const Unit& u, 
 #pragma unroll
     for (int j = 0; j < NPAIRS; ++j) {
       const float2 v = pair(j);
-      dst[j * 4] = pack2<T>(v.x * inv, v.y * inv);
+      dst[(j / GROUP) * 4 * GROUP + j % GROUP] = pack2<T>(v.x * inv, v.y * inv);
     }
     if (write_lse) p.lse[row] = lse;
   } else {
@@ -105,7 +107,7 @@ __device__ __forceinline__ void store_tile_row(const Problem& p, const Unit& u, 
 #pragma unroll
     for (int j = 0; j < NPAIRS; ++j) {
       const float2 v = pair(j);
-      dst[j * 4] = make_float2(v.x * inv, v.y * inv);
+      dst[(j / GROUP) * 4 * GROUP + j % GROUP] = make_float2(v.x * inv, v.y * inv);
     }
     if (write_lse) p.partial_lse[row] = lse;
   }

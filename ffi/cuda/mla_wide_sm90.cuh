@@ -636,12 +636,7 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
     float amax = fmaxf(amax_latent, amax_rope * fabsf(rope_factor));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    int k = 0;
-    if (amax > 0.f && amax <= 3.0e38f) {  // an all-zero (padding) or non-finite row keeps k = 0
-      int ex;
-      frexpf(amax, &ex);  // amax < 2^ex
-      k = min(max(15 - ex, -100), 100);
-    }
+    const int k = fp8_query_exponent(amax);
     factor[e] = __int_as_float((127 + k) << 23);         // 2^k
     scale_log2[e] *= __int_as_float((127 - k) << 23);     // 2^-k
   }
@@ -746,7 +741,9 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   // The lazy max, the skipped rescales and the early A signal (see the top of this file) are
   // for 16-bit caches only: with an fp8 ckv they made this kernel's narrow body (the same
   // __global__, mla_attention_sm90_kernel<T, kCacheFp8Ckv>) 8-10% slower through the code ptxas
-  // made of it (ffi/cuda/NOTES.md, "Lazy max"), more than they gave the fp8 wide body.
+  // made of it (ffi/cuda/NOTES.md, "Lazy max"), more than they gave the fp8 wide body. With the
+  // narrow body's fp8 in registers they still cost it 1-2% and gave the fp8 wide body 4% ("fp8 in
+  // registers"): left off.
   constexpr bool kLazy = !CacheFormat<kCache>::kFp8Ckv;
   const int tid = threadIdx.x - 128 * (1 + HALF);
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;

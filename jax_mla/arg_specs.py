@@ -245,6 +245,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # (last, so the cases before it keep their random draws) wide units on pages of >= 32 keys,
     # where whole blocks come by TMA: page ids outside the cache, partial last blocks, splits
     ArgSpec(64, 64, (1, 2, 1), (300, 129, 40), bad_pages=True, split=True, tags=_tags("small", "sweep")),
+    # (after it) fp8 narrow units of several tokens (8 heads x 2 = 16 rows, causal) on pages of one key
+    ArgSpec(8, 1, (2, 1, 1), (300, 5, 77), dtype="float16", kv_dtype="float8_e4m3fn", bad_pages=True, split=True,
+            tags=_tags("small", "sweep")),
 )
 
 

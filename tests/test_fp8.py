@@ -32,12 +32,12 @@ def fp8_problem(rng, qo, kv, *, heads, page_size, qdtype=jnp.bfloat16, fp8_kpe=F
     return b, b.q_nope.astype(qdtype), b.q_pe.astype(qdtype), ckv, kpe, plan, scales
 
 
-def dequantized_reference(qn, qp, ckv, kpe, b, plan, scales):
+def dequantized_reference(qn, qp, ckv, kpe, b, plan, scales, sm_scale=SCALE):
     f32 = jnp.float32
     ckv_f = ckv.astype(f32) * CKV_SCALE
     kpe_f = kpe.astype(f32) * (KPE_SCALE if scales["kpe_scale"] is not None else 1.0)
     return mla_paged_attention_reference(qn.astype(f32), qp.astype(f32), ckv_f, kpe_f, b.page_table, b.kv_lens,
-                                         plan, sm_scale=SCALE, return_lse=True)
+                                         plan, sm_scale=sm_scale, return_lse=True)
 
 
 def needs_ffi():
@@ -98,6 +98,25 @@ def test_fp8_kpe_and_heads_match_reference(rng, heads):
                               **scales)
     ref, _ = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
     assert rel_err(out, ref) < 3e-3
+
+
+@pytest.mark.parametrize("magnitude", [1e-5, 1e5])
+@pytest.mark.parametrize("heads, qo, page_size", [(8, [2, 1, 0, 1], 1), (4, [4, 3, 1, 2], 64)])
+def test_fp8_narrow_units_bring_queries_into_fp16_range(rng, magnitude, heads, qo, page_size):
+    """Units of <= 16 rows (heads x tokens) multiply the fp8 latent in fp16, with each query row brought
+    into fp16's range by a power of two: queries of 1e-5 (fp16 subnormals) or 1e5 (past fp16's largest),
+    the softmax scale making up for them, must still match the reference."""
+    needs_ffi()
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, qo, [333, 70, 5, 2], heads=heads, page_size=page_size,
+                                                     padding=1)
+    qn, qp = ((x.astype(jnp.float32) * magnitude).astype(jnp.bfloat16) for x in (qn, qp))
+    sm_scale = SCALE / magnitude
+    out, lse = mla_paged_attention(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan, sm_scale=sm_scale,
+                                   return_lse=True, backend="ffi", **scales)
+    ref, ref_lse = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales, sm_scale=sm_scale)
+    assert rel_err(out, ref) < 3e-3
+    live = ~np.isneginf(np.asarray(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse)[live], np.asarray(ref_lse)[live], atol=5e-3)
 
 
 def test_fp8_reference_backend_equals_dequantized_reference(rng):

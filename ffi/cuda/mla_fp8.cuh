@@ -1,9 +1,13 @@
 // The FP8 (e4m3) latent cache in the kernels: the one place where every body
-// (narrow, portable wide) gathers a key row, turns fp8 into its MMA type and
-// applies the scales. (The wgmma wide body's producer converts whole stages
-// with fp8x8_to, in fp16: wide_producer_fp8 in mla_wide_sm90.cuh. The narrow
-// body keeps an fp8 ckv raw in shared memory and converts the MMA fragments in
-// registers: fp8x4_to_half2x2 below, "fp8 in registers" in mla_narrow_kernel.cuh.)
+// gathers a key row, turns fp8 into its MMA type and applies the scales. Three
+// ways to turn it, by body:
+//   * narrow (<= 16 rows), fp8 ckv and kpe in T: the rows stay raw in shared
+//     memory, each warp converts its MMA fragments in registers
+//     (fp8x4_to_half2x2; "fp8 in registers" in mla_narrow_kernel.cuh);
+//   * wgmma wide body: its producer converts whole stages to fp16 (fp8x8_to;
+//     wide_producer_fp8 in mla_wide_sm90.cuh);
+//   * portable wide body, and any body with an fp8 kpe: the stage expanded in
+//     place to T (expand_fp8_stage), as follows.
 //
 // A stage row holds one key as 72 16-byte chunks of the MMA type T (bf16 or
 // fp16): chunks 0-63 the latent (ckv), 64-71 the rope part (kpe). An fp8 row is
@@ -21,10 +25,11 @@
 // rounded to T: 64 of the 576 dims), s_c joins the softmax scale, and
 // O = s_c (P . c) is applied in the epilogue (CacheScales).
 //
-// Cost: per key a raw write of 512 B, a read of 512 B and a write of 1 KiB of
-// shared memory on top of the MMAs' reads, and the expansion runs in series
-// with the MMAs (two barriers per stage). On the H200 this first version is
-// slower than a bf16 cache (ffi/cuda/NOTES.md, "FP8 cache").
+// Cost of the expansion: per key a raw write of 512 B, a read of 512 B and a
+// write of 1 KiB of shared memory on top of the MMAs' reads, in series with the
+// MMAs (two barriers per stage). In the narrow body it made an fp8 cache slower
+// than bf16 (0.80x); converting in registers made it 1.31x (ffi/cuda/NOTES.md,
+// "FP8 cache, first version" and "fp8 in registers").
 #pragma once
 
 #include <cuda_fp8.h>

@@ -119,6 +119,30 @@ def test_fp8_narrow_units_bring_queries_into_fp16_range(rng, magnitude, heads, q
     np.testing.assert_allclose(np.asarray(lse)[live], np.asarray(ref_lse)[live], atol=5e-3)
 
 
+@pytest.mark.parametrize("heads, qo", [(2, [2, 1, 3]), (64, [1, 1, 2])], ids=["narrow", "wide"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_fp8_nan_in_the_cache_gives_nan_in_the_rows_it_reaches(rng, heads, qo, split):
+    """An e4m3 NaN in a latent row that every token of one request sees makes exactly that request's rows
+    NaN (output and LSE), as in the reference on the dequantized cache, and no other row: the fp8 paths
+    (fragments converted in registers, or stages converted by the wgmma body's producer) keep NaN."""
+    needs_ffi()
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, qo, [300, 40, 500], heads=heads, page_size=16,
+                                                     split=split)
+    table = np.asarray(b.page_table)
+    pos = 250  # request 2's key 250: all its tokens see it; nobody else's page holds it
+    ckv = ckv.at[table[2, pos // 16], pos % 16, 3].set(jnp.nan)
+    out, lse = mla_paged_attention(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan, sm_scale=SCALE,
+                                   return_lse=True, backend="ffi", **scales)
+    ref, ref_lse = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
+    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    nan_rows = np.isnan(np.asarray(ref_lse))
+    assert nan_rows.any() and not nan_rows.all(), "the test's premise: some rows, not all, are NaN"
+    np.testing.assert_array_equal(np.isnan(lse), nan_rows)
+    np.testing.assert_array_equal(np.isnan(out).all(-1), nan_rows)
+    assert not np.isnan(out[~nan_rows]).any()
+    assert rel_err(out[~nan_rows], np.asarray(ref)[~nan_rows]) < 3e-3
+
+
 def test_fp8_reference_backend_equals_dequantized_reference(rng):
     b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, [1, 4], [90, 33], heads=4, page_size=4, d_ckv=64,
                                                      d_kpe=16)

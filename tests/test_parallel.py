@@ -71,7 +71,9 @@ MESH_SCRIPT = """
     res = {}
     for backend in ("ffi", "reference"):
         one, want, want_pre, want_steps, want_slots = run(None, backend)
-        for shape in ((2, 2), (4, 1), (1, 4), (2, 4)):
+        # every mesh shape on the kernel; the reference backend (the same sharding code around another
+        # attention) on dp2 x tp2 only, which keeps this subprocess within a CI minute or so
+        for shape in ((2, 2), (4, 1), (1, 4), (2, 4)) if backend == "ffi" else ((2, 2),):
             mesh = make_mesh(*shape)
             gen, got, pre, steps, slots = run(mesh, backend)
             pre_err = max(rel(pre[s], want_pre[w]) for s, w in zip(slots, want_slots))
@@ -127,8 +129,8 @@ def mesh_results():
     return run_on_fake_devices(MESH_SCRIPT)
 
 
-@pytest.mark.parametrize("backend", ["ffi", "reference"])
-@pytest.mark.parametrize("shape", ["(2, 2)", "(4, 1)", "(1, 4)", "(2, 4)"])
+@pytest.mark.parametrize("backend, shape", [("ffi", "(2, 2)"), ("ffi", "(4, 1)"), ("ffi", "(1, 4)"),
+                                            ("ffi", "(2, 4)"), ("reference", "(2, 2)")])
 def test_mesh_decode_equals_single_device(mesh_results, backend, shape):
     """dp x tp Generator vs one device (fp32): same greedy tokens through prefill, host-planned and
     jitted decode, a finish and a mid-stream admission; logits within 1e-5; each step compiled once

@@ -55,6 +55,19 @@ def rel_err(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def assert_nan_rows_match(out, lse, ref_out, ref_lse, tol: float) -> None:
+    """NaN in, NaN out: exactly the rows the reference makes NaN are NaN (every output column and the
+    LSE), some rows but not all (the premise of a NaN test), and the other rows match within `tol`."""
+    out, lse = np.asarray(jnp.asarray(out, jnp.float32)), np.asarray(lse)
+    ref_out, ref_lse = np.asarray(ref_out), np.asarray(ref_lse)
+    nan_rows = np.isnan(ref_lse)
+    assert nan_rows.any() and not nan_rows.all(), "the test's premise: some rows, not all, are NaN"
+    np.testing.assert_array_equal(np.isnan(lse), nan_rows)
+    np.testing.assert_array_equal(np.isnan(out).all(-1), nan_rows)
+    assert not np.isnan(out[~nan_rows]).any()
+    assert rel_err(out[~nan_rows], ref_out[~nan_rows]) < tol
+
+
 def split_target():
     """A plan target of many small units: every long request is split and merged."""
     from .planner import PlanTarget

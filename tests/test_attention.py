@@ -24,7 +24,8 @@ from jax_mla import _ffi
 from jax_mla.attention import CUDA_DIMS
 from jax_mla.planner import (KV_END_OPEN, M_NUM_SPLITS, M_QLEN, W_KV_END, W_KV_START, W_PARTIAL_ROW, W_QLEN,
                              W_REQUEST)
-from jax_mla.testing import no_split_target, random_paged_batch, rel_err, split_target
+from jax_mla.testing import (assert_nan_rows_match, no_split_target, random_paged_batch, rel_err,
+                             split_target)
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
 # Relative norm error against the float32 reference. 16-bit outputs carry their
@@ -453,13 +454,4 @@ def test_nan_in_gives_nan_in_the_rows_it_reaches(rng, dims, where, split):
         b[where] = b[where].at[table[2, pos // 16], pos % 16, 3].set(jnp.nan)
     bad = type(batch)(**b)
     args = (bad.q_nope, bad.q_pe, bad.ckv, bad.kpe, bad.page_table, bad.kv_lens, plan)
-    out, lse = run_ffi(*args)
-    ref_out, ref_lse = run_reference(*args)
-    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
-    ref_out, ref_lse = np.asarray(ref_out), np.asarray(ref_lse)
-    nan_rows = np.isnan(ref_lse)
-    assert nan_rows.any() and not nan_rows.all(), "the test's premise: some rows, not all, are NaN"
-    np.testing.assert_array_equal(np.isnan(lse), nan_rows)
-    np.testing.assert_array_equal(np.isnan(out).all(-1), nan_rows)
-    assert not np.isnan(out[~nan_rows]).any()
-    assert rel_err(out[~nan_rows], ref_out[~nan_rows]) < OUT_TOL[BF16]
+    assert_nan_rows_match(*run_ffi(*args), *run_reference(*args), OUT_TOL[BF16])

@@ -11,7 +11,7 @@ import pytest
 from jax_mla import (FP8_DTYPE, PlanTarget, append_paged_kv, fp8_scale, mla_paged_attention,
                      mla_paged_attention_reference, plan_mla, quantize_fp8)
 from jax_mla._ffi import has_ffi
-from jax_mla.testing import random_paged_batch, rel_err, split_target
+from jax_mla.testing import assert_nan_rows_match, random_paged_batch, rel_err, split_target
 
 SCALE = 0.0723
 CKV_SCALE = 0.0125  # fp8 values of ~N(0, 80): the cache's values are ~N(0, 1)
@@ -133,14 +133,7 @@ def test_fp8_nan_in_the_cache_gives_nan_in_the_rows_it_reaches(rng, heads, qo, s
     ckv = ckv.at[table[2, pos // 16], pos % 16, 3].set(jnp.nan)
     out, lse = mla_paged_attention(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan, sm_scale=SCALE,
                                    return_lse=True, backend="ffi", **scales)
-    ref, ref_lse = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
-    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
-    nan_rows = np.isnan(np.asarray(ref_lse))
-    assert nan_rows.any() and not nan_rows.all(), "the test's premise: some rows, not all, are NaN"
-    np.testing.assert_array_equal(np.isnan(lse), nan_rows)
-    np.testing.assert_array_equal(np.isnan(out).all(-1), nan_rows)
-    assert not np.isnan(out[~nan_rows]).any()
-    assert rel_err(out[~nan_rows], np.asarray(ref)[~nan_rows]) < 3e-3
+    assert_nan_rows_match(out, lse, *dequantized_reference(qn, qp, ckv, kpe, b, plan, scales), 3e-3)
 
 
 def test_fp8_reference_backend_equals_dequantized_reference(rng):

@@ -76,25 +76,6 @@ __device__ __forceinline__ void gather_key_row(ChunkAddr chunk, const char* ckv_
   }
 }
 
-// Eight e4m3 values (two words, lowest byte first) as four words of T pairs, exactly.
-template <typename T>
-__device__ __forceinline__ uint4 fp8x8_to(uint2 raw) {
-  uint32_t w[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint32_t word = k < 2 ? raw.x : raw.y;
-    const __nv_fp8x2_storage_t two = (__nv_fp8x2_storage_t)(word >> (16 * (k & 1)));
-    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3);
-    if constexpr (std::is_same_v<T, __half>) {
-      w[k] = (uint32_t)h.x | ((uint32_t)h.y << 16);
-    } else {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-      w[k] = pack2<T>(f.x, f.y);
-    }
-  }
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 // Four e4m3 values (one word, lowest byte first) as two fp16 pairs, exactly: bytes 0-1 -> .x,
 // bytes 2-3 -> .y (one cvt a pair on sm_89+). The narrow body's B fragments of S: a word that
 // ldmatrix gives a lane from fp8 rows holds dims 4 t .. 4 t + 3 of one key.
@@ -102,6 +83,22 @@ __device__ __forceinline__ uint2 fp8x4_to_half2x2(uint32_t w) {
   const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w & 0xffffu), __NV_E4M3);
   const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> 16), __NV_E4M3);
   return make_uint2((uint32_t)lo.x | ((uint32_t)lo.y << 16), (uint32_t)hi.x | ((uint32_t)hi.y << 16));
+}
+
+// Eight e4m3 values (two words, lowest byte first) as four words of T pairs, exactly (to bf16 by
+// way of fp16, which holds every e4m3 value).
+template <typename T>
+__device__ __forceinline__ uint4 fp8x8_to(uint2 raw) {
+  const uint2 lo = fp8x4_to_half2x2(raw.x), hi = fp8x4_to_half2x2(raw.y);
+  uint32_t w[4] = {lo.x, lo.y, hi.x, hi.y};
+  if constexpr (!std::is_same_v<T, __half>) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[k]));
+      w[k] = pack2<T>(f.x, f.y);
+    }
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // The same for a word that ldmatrix.trans gives from fp8 rows: (key k, dims d, d + 1), then (key k + 1,
@@ -124,6 +121,32 @@ __device__ __forceinline__ int fp8_query_exponent(float amax) {
   return k;
 }
 
+// The largest magnitude of a 16-byte chunk of T (eight values).
+template <typename T>
+__device__ __forceinline__ float chunk_amax(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float m = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = unpack2<T>(w[e]);
+    m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+  }
+  return m;
+}
+
+// A 16-byte query chunk of T times f: a latent chunk into fp16 (the latent MMAs' type with an fp8
+// ckv), a rope chunk rounded once back to T (kpe stays T).
+template <typename T>
+__device__ __forceinline__ uint4 scale_query_chunk(uint4 v, float f, bool rope) {
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 x = unpack2<T>(w[e]);
+    w[e] = rope ? pack2<T>(x.x * f, x.y * f) : pack2<__half>(x.x * f, x.y * f);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // The narrow body's queries with an fp8 ckv kept raw (mla_narrow_kernel.cuh), in place in their
 // staging rows (16 rows of T; chunk(r, c) the shared address of chunk c of row r): row r's latent
 // part times 2^k_r into fp16 (the latent MMAs multiply fp16 by fp16 keys), its rope part times
@@ -143,13 +166,7 @@ __device__ __forceinline__ void narrow_prepare_queries_fp8(RowChunkAddr chunk, i
       const int c = lane + 32 * i;
       if (c >= kChunksPerKey) break;
       v[i] = ld_shared_v4(chunk(r, c));
-      const uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-      float m = 0.f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = unpack2<T>(w[e]);
-        m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
+      const float m = chunk_amax<T>(v[i]);
       amax = fmaxf(amax, c < 64 ? m : m * fabsf(rope_factor));
     }
 #pragma unroll
@@ -161,14 +178,7 @@ __device__ __forceinline__ void narrow_prepare_queries_fp8(RowChunkAddr chunk, i
     for (int i = 0; i < 3; ++i) {
       const int c = lane + 32 * i;
       if (c >= kChunksPerKey) break;
-      uint32_t w[4] = {v[i].x, v[i].y, v[i].z, v[i].w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 x = unpack2<T>(w[e]);
-        w[e] = c < 64 ? pack2<__half>(x.x * factor, x.y * factor)
-                      : pack2<T>(x.x * factor * rope_factor, x.y * factor * rope_factor);
-      }
-      st_shared_v4(chunk(r, c), make_uint4(w[0], w[1], w[2], w[3]));
+      st_shared_v4(chunk(r, c), scale_query_chunk<T>(v[i], c < 64 ? factor : factor * rope_factor, c >= 64));
     }
   }
 }

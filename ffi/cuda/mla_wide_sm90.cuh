@@ -619,14 +619,7 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
     float amax_latent = 0.f, amax_rope = 0.f;
 #pragma unroll 2
     for (int c = t4; c < kChunksPerKey; c += 4) {
-      const uint4 v = ld_shared_v4(addr(r, c));
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-      float m = 0.f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = unpack2<T>(w[i]);
-        m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
+      const float m = chunk_amax<T>(ld_shared_v4(addr(r, c)));
       if (c < 64) {
         amax_latent = fmaxf(amax_latent, m);
       } else {
@@ -649,14 +642,7 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
       const bool rope = j == 8;
       const int c = rope ? 64 + 4 * HALF + t4 : 32 * HALF + t4 + 4 * j;
       const float f = rope ? factor[e] * rope_factor : factor[e];
-      const uint4 v = ld_shared_v4(addr(r, c));
-      uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 x = unpack2<T>(w[i]);
-        w[i] = rope ? pack2<T>(x.x * f, x.y * f) : pack2<__half>(x.x * f, x.y * f);
-      }
-      st_shared_v4(addr(r, c), make_uint4(w[0], w[1], w[2], w[3]));
+      st_shared_v4(addr(r, c), scale_query_chunk<T>(ld_shared_v4(addr(r, c)), f, rope));
     }
   }
 }

@@ -100,7 +100,7 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
   set_problem_sizes(p, T, H, P, ps, R, max_pages, ld[0], wd[0], md[0], pod[0], sm_scale);
   if ((int64_t)p.num_work * p.head_blocks > INT32_MAX) return bad("too many work units");
 
-  static const int merge_grid = 4 * sm_count();  // a few merge blocks per SM (8 KiB smem each)
+  static const int merge_grid = merge_grid_for(sm_count());
   cudaError_t err;
   switch (dt) {
     case ffi::DataType::BF16:

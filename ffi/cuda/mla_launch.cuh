@@ -175,6 +175,18 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// Blocks of the merge kernel: one wave. It holds 128 registers a thread at 256 threads, so two
+// blocks fit on an SM; the old grid of 4 x SMs was two waves, and the second wave's blocks, which
+// mostly find no task, still pay their launch and their scan of the plan after the attention grid
+// ends: 4 x SMs was slower than 2 x SMs on every ragged shape measured, 0.2-4.5 us (NOTES.md, "The
+// merge's grid").
+inline int merge_grid_for(int sms) {
+#ifdef JAX_MLA_MERGE_BLOCKS_PER_SM  // (an A/B switch)
+  return JAX_MLA_MERGE_BLOCKS_PER_SM * sms;
+#endif
+  return 2 * sms;
+}
+
 // The merge kernel (split partials, padding tokens): a programmatic dependent
 // launch on sm_90+, so its blocks start as attention blocks retire and wait
 // (griddepcontrol.wait) for the whole attention grid, which hides its launch

@@ -287,7 +287,7 @@ static void time_case(Problem p, const char* name) {
   CHECK(cudaDeviceSynchronize());
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const int n = 20, merge_grid = 4 * sm_count();
+  const int n = 20, merge_grid = merge_grid_for(sm_count());  // the library's grid
   for (int s = 0; s < sets; ++s) CHECK(launch_op(ps[s], stream, merge_grid));  // warm up, opt-ins outside capture
   CHECK(cudaStreamSynchronize(stream));
   const float full = graph_us(stream, n, [&](int i) { CHECK(launch_op(ps[i % sets], stream, merge_grid)); });
@@ -296,7 +296,7 @@ static void time_case(Problem p, const char* name) {
   const float empty = graph_us(stream, n, [&](int) { empty_kernel<<<132, 256, 0, stream>>>(); });
   // The op with other merge grids, and with the merge as an ordinary launch (no PDL).
   float grid_us[3];
-  const int grids[3] = {sm_count(), 2 * sm_count(), 8 * sm_count()};
+  const int grids[3] = {sm_count(), 2 * sm_count(), 4 * sm_count()};
   for (int g = 0; g < 3; ++g)
     grid_us[g] = graph_us(stream, n, [&](int i) { CHECK(launch_op(ps[i % sets], stream, grids[g])); });
   auto launch_merge_plain = [&](const Problem& q) {  // an ordinary launch: no PDL

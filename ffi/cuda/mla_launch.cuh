@@ -183,8 +183,9 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
 inline int merge_grid_for(int sms) {
 #ifdef JAX_MLA_MERGE_BLOCKS_PER_SM  // (an A/B switch)
   return JAX_MLA_MERGE_BLOCKS_PER_SM * sms;
-#endif
+#else
   return 2 * sms;
+#endif
 }
 
 // The merge kernel (split partials, padding tokens): a programmatic dependent

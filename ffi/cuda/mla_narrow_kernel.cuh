@@ -22,7 +22,8 @@
 // fp8 in registers. With an e4m3 ckv (kpe in the query type) the key rows stay
 // raw in shared memory (640 bytes a key instead of 1152) and each warp converts
 // the fragments it loads, in registers (one cvt a pair, exact): nothing is
-// written back, no barrier is added, and every ldmatrix brings twice the keys. The latent MMAs multiply in fp16 (e4m3 -> fp16 is one
+// written back, no barrier is added, and every ldmatrix brings twice the keys.
+// The latent MMAs multiply in fp16 (e4m3 -> fp16 is one
 // cvt; to bf16 it is four operations), so the queries' latent part is brought
 // into fp16 once per unit by a power of two per row (narrow_prepare_queries_fp8).
 // The fragments' element order is what ldmatrix gives from bytes, which the

@@ -160,8 +160,9 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   };
 
   // Prologue: queries and the pages of blocks 0 .. 2S-3 in one round trip, with
-  // the device length in flight beside them; the queries go to registers
-  // before any key lands in their staging stage.
+  // the device length in flight beside them. Blocks 0 .. S-2 are gathered as soon
+  // as their page ids land: they go to stages 0 .. S-2, beside the queries'
+  // staging stage, so their round trip overlaps the queries' move to registers.
 #pragma unroll 1
   for (int b = 0; b < 2 * STAGES - 2; ++b) fetch_pages(b);
   cp_async_commit();
@@ -170,6 +171,11 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   num_blocks = (u.range_end - kv_begin + BK - 1) / BK;
   cp_async_wait<0>();
   __syncthreads();
+#pragma unroll 1  // one copy of the gather code besides the loop's (instruction-cache footprint)
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_blocks) issue_block(s);
+    cp_async_commit();
+  }
   float row_scale[2] = {1.f, 1.f};  // softmax rows 2w, 2w+1: the queries' power of two (fp8 in registers)
   if constexpr (kRaw8) {
     narrow_prepare_queries_fp8<T>([&](int r, int c) { return s_q + swz(r, c); }, warp, lane, scales.rope_query,
@@ -235,13 +241,7 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[nt][e] = 0.f;
   const uint32_t p_lane = smem_addr(s_part) + a_row * (Shape::S_STRIDE * 4) + a_chunk * 16;
-  __syncthreads();  // every warp holds its queries: the staging stage may be refilled
-
-#pragma unroll 1  // one copy of the gather code besides the loop's (instruction-cache footprint)
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_blocks) issue_block(s);
-    cp_async_commit();
-  }
+  __syncthreads();  // every warp holds its queries: the staging stage (block S-1's) may be refilled
 
   for (int blk = 0; blk < num_blocks; ++blk) {
     cp_async_wait<STAGES - 2>();

@@ -1,9 +1,11 @@
 """The GPU-analysis tools that run on this machine: tools/ncu_source.py on a small source page,
-tools/trace_report.py on a small timeline."""
+tools/trace_report.py on a small timeline, tools/block_trace_report.py on a small block trace."""
 
 import gzip
 import importlib.util
 import pathlib
+
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -76,3 +78,35 @@ def test_trace_report_periods_and_intervals():
     assert out[2].split() == ["top", "->", "m_A", "received", "10"]
     assert out[-2].split()[-1] == "100"  # A 4-8 refilled -> S issued: 10; S issued -> S done: 100
     assert out[-1].split()[-1] == "800"  # S done -> next top
+
+
+def test_block_trace_report_span_tail_and_cost_fit():
+    bt = _tool("block_trace_report")
+    # Four SMs; units of 500 + 100 b keys costing 2 us + 30 ns a key, each started on the SM that is
+    # free first; a padding block (q_len 0) that must not count; the merge ends 5 us after the last unit.
+    name = "/c/time1_8x8192_h16_ps16.bin"
+    lines = [f"blocktrace {name} sms 4 heads 16 head_blocks 1 work 7 merge_grid 8",
+             f"blockkv {name}: 8192 4000"]
+    free = {sm: 0 for sm in range(4)}
+    for b in range(6):
+        keys = 500 + 100 * b
+        sm = min(free, key=free.get)
+        lines.append(f"blocktrace {name} kind 0 block {b} sm {sm} start {free[sm]} end {free[sm] + 2000 + 30 * keys}")
+        free[sm] += 2000 + 30 * keys
+        # request b % 2, token 0, q_len 1, keys [0, keys); the first three are splits
+        lines.append(f"blockwork {name} unit {b}: {b % 2} 0 1 0 0 {keys} {b if b < 3 else -1} 0")
+    lines.append(f"blocktrace {name} kind 0 block 6 sm 3 start 0 end 100")
+    lines.append(f"blockwork {name} unit 6: 0 0 0 0 0 0 -1 0")
+    lines += [f"blocktrace {name} kind 1 block {b} sm {b % 4} start 0 end {max(free.values()) + 5000}" for b in range(8)]
+    cases = bt.read(lines)
+    units = bt.unit_blocks(cases[name])
+    assert sorted(u[0] for u in units) == list(range(6))  # the padding block is not a unit
+    per_key, fixed, rms = bt.fit(np.array([u[4] for u in units], float),
+                                 np.array([(u[3] - u[2]) / 1000 for u in units]))
+    assert abs(per_key - 0.030) < 1e-9 and abs(fixed - 2.0) < 1e-6 and rms < 1e-6
+    out = bt.report(name, cases[name], last=2)
+    assert "6 unit blocks on 4 of 4 SMs; attention span 52.0 us, merge tail 5.0 us" in out[0]
+    assert out[1].endswith("last 52.0; units per SM 1-2")
+    assert out[2].startswith("   narrow: 6 blocks, 30.00 ns a key + 2.00 us a block (= 67 keys)")
+    assert out[2].endswith("3 split")
+    assert out[3].startswith("   ended late: block 5 (narrow, 1000 keys) on SM 1: 20.0 -> 52.0 us")

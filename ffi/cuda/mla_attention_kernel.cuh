@@ -358,6 +358,7 @@ template <typename T, int kCache = kCacheAsQuery>
 __global__ void __launch_bounds__(kThreads, 1) mla_attention_kernel(const Problem p) {
   extern __shared__ __align__(16) char smem[];
   allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
+  JAX_MLA_BLOCK_TRACE_SCOPE(0);
   const int unit_index = blockIdx.x / p.head_blocks;
   const int head_block = blockIdx.x - unit_index * p.head_blocks;
   Unit u;

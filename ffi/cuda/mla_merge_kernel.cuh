@@ -174,6 +174,7 @@ __device__ __forceinline__ void merge_head_warp(const Problem& p, int token, int
 template <typename T>
 __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
   __shared__ MergeScratch sh;
+  JAX_MLA_BLOCK_TRACE_SCOPE(1);
   const int tid = threadIdx.x, lane = tid & 31;
   const int grid = gridDim.x;
   // The plan tables are inputs of the op (complete before the attention kernel

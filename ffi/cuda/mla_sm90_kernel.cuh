@@ -29,6 +29,7 @@ template <typename T, int kCache = kCacheAsQuery, bool kWide64 = false>
 __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attention_sm90_kernel(const Problem p, const __grid_constant__ KeyTensorMaps maps) {
   extern __shared__ __align__(16) char smem[];  // aligned to 1024 below
   allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
+  JAX_MLA_BLOCK_TRACE_SCOPE(0);
   const int unit_index = blockIdx.x / p.head_blocks;
   const int head_block = blockIdx.x - unit_index * p.head_blocks;
   Unit u;

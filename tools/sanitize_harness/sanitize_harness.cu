@@ -362,6 +362,42 @@ static void time_case(Problem p, const char* name) {
     }
   }
 #endif
+#ifdef JAX_MLA_BLOCK_TRACE
+  // Where every block of one op call ran (mla_common.cuh, BlockTraceScope), after a warm-up call, and
+  // the work table, for tools/block_trace_report.py. Times in ns from the first attention block's start.
+  {
+    CHECK(launch_op(ps[1 % sets], stream, merge_grid));
+    static unsigned long long bt[2][kBlockTraceMax][3];
+    std::memset(bt, 0, sizeof(bt));
+    CHECK(cudaMemcpyToSymbolAsync(g_jax_mla_block_trace, bt, sizeof(bt), 0, cudaMemcpyHostToDevice, stream));
+    CHECK(launch_op(ps[0], stream, merge_grid));
+    CHECK(cudaStreamSynchronize(stream));
+    CHECK(cudaMemcpyFromSymbol(bt, g_jax_mla_block_trace, sizeof(bt)));
+    const int grids_of[2] = {std::min(p.num_work * p.head_blocks, kBlockTraceMax), std::min(merge_grid, kBlockTraceMax)};
+    unsigned long long t0 = ~0ull;
+    for (int b = 0; b < grids_of[0]; ++b)
+      if (bt[0][b][1] != 0) t0 = std::min(t0, bt[0][b][0]);
+    std::printf("blocktrace %s sms %d heads %d head_blocks %d work %d merge_grid %d\n", name, sm_count(), p.num_heads, p.head_blocks,
+                p.num_work, merge_grid);
+    for (int k = 0; k < 2; ++k)
+      for (int b = 0; b < grids_of[k]; ++b)
+        if (bt[k][b][1] != 0)
+          std::printf("blocktrace %s kind %d block %d sm %llu start %lld end %lld\n", name, k, b, bt[k][b][2],
+                      (long long)(bt[k][b][0] - t0), (long long)(bt[k][b][1] - t0));
+    std::vector<int32_t> work((size_t)p.num_work * jax_mla::kWorkCols);
+    CHECK(cudaMemcpy(work.data(), p.work, work.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    std::vector<int32_t> kv_lens(p.num_kv_lens);
+    CHECK(cudaMemcpy(kv_lens.data(), p.kv_lens, kv_lens.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    std::printf("blockkv %s:", name);
+    for (int32_t l : kv_lens) std::printf(" %d", l);
+    std::printf("\n");
+    for (int w = 0; w < p.num_work; ++w) {
+      std::printf("blockwork %s unit %d:", name, w);
+      for (int c = 0; c < jax_mla::kWorkCols; ++c) std::printf(" %d", work[(size_t)w * jax_mla::kWorkCols + c]);
+      std::printf("\n");
+    }
+  }
+#endif
   for (auto& q : ps)
     for (const void* ptr : {q.q_nope, q.q_pe, q.ckv, q.kpe}) CHECK(cudaFree(const_cast<void*>(ptr)));
   for (void* ptr : {out, lse, po, pl, (void*)scales}) CHECK(cudaFree(ptr));

@@ -121,6 +121,9 @@ __device__ __forceinline__ int fp8_query_exponent(float amax) {
   return k;
 }
 
+// 2^k as a float, exact for the exponents fp8_query_exponent returns (|k| <= 100: a normal float).
+__device__ __forceinline__ float exp2_int(int k) { return __int_as_float((127 + k) << 23); }
+
 // The largest magnitude of a 16-byte chunk of T (eight values).
 template <typename T>
 __device__ __forceinline__ float chunk_amax(uint4 v) {
@@ -172,8 +175,8 @@ __device__ __forceinline__ void narrow_prepare_queries_fp8(RowChunkAddr chunk, i
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
     const int k = fp8_query_exponent(amax);
-    const float factor = __int_as_float((127 + k) << 23);  // 2^k
-    row_scale[rr] = __int_as_float((127 - k) << 23);       // 2^-k
+    const float factor = exp2_int(k);
+    row_scale[rr] = exp2_int(-k);
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
       const int c = lane + 32 * i;

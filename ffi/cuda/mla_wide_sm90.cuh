@@ -630,8 +630,8 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
     const int k = fp8_query_exponent(amax);
-    factor[e] = __int_as_float((127 + k) << 23);         // 2^k
-    scale_log2[e] *= __int_as_float((127 - k) << 23);     // 2^-k
+    factor[e] = exp2_int(k);
+    scale_log2[e] *= exp2_int(-k);
   }
   named_barrier_sync(W::kConsumers, W::kConsumerThreads);  // every read of the staged rows is done
 #pragma unroll

@@ -9,10 +9,13 @@
 # `bash scripts/driver_ab.sh --export REV DIR`, leave it untracked and unignored so it travels).
 # Each variant's driver is built, run on the wide correctness cases (`cases.py make --wide`) and
 # checked against the NumPy reference; then every variant that passed is timed on the shapes tagged
-# CASE_TAG (default `wide`) in ROUNDS interleaved rounds (default "1 2 3"). Prints the median op time
-# (and attention-alone time) per shape and variant; logs in $OUT/driver_ab.tar.gz.
-# TRACE_CASES="time1_128x4096_h128_ps64 ...": also build every variant that passed with -DJAX_MLA_TRACE,
+# CASE_TAG (default `wide`; several tags, space-separated: "extra timing fp8") in ROUNDS interleaved
+# rounds (default "1 2 3"). Prints the median op time (and attention-alone time) per shape (TAG/timeN_...)
+# and variant; logs in $OUT/driver_ab.tar.gz.
+# TRACE_CASES="wide/time1_128x4096_h128_ps64 ...": also build every variant that passed with -DJAX_MLA_TRACE,
 # time those cases once more and print the 64-key body's timeline (tools/trace_report.py).
+# BLOCK_TRACE=1: also build every variant with -DJAX_MLA_BLOCK_TRACE, run every timed case once more and
+# print where each block ran (tools/block_trace_report.py).
 set -u
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--export" ]; then  # local helper: the ffi/cuda of git revision $2 into directory $3
@@ -30,8 +33,11 @@ VARIANTS=${VARIANTS:-"base:"}
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv > "$LOGS/gpu.txt" 2>&1
 
 JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py make /tmp/driver_ab_check --wide > "$LOGS/cases.log" 2>&1 &
-JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing /tmp/driver_ab_time --tag "${CASE_TAG:-wide}" \
-  >> "$LOGS/cases.log" 2>&1 &
+rm -rf /tmp/driver_ab_time
+for tag in ${CASE_TAG:-wide}; do
+  JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "/tmp/driver_ab_time/$tag" --tag "$tag" \
+    >> "$LOGS/cases.log" 2>&1 &
+done
 names=""
 for v in $VARIANTS; do
   name=${v%%:*} spec=${v#*:}
@@ -41,6 +47,9 @@ for v in $VARIANTS; do
   bash scripts/build_driver.sh "/tmp/driver_ab_$name" $flags > "$LOGS/build_$name.log" 2>&1 &
   if [ -n "${TRACE_CASES:-}" ]; then
     bash scripts/build_driver.sh "/tmp/driver_ab_trace_$name" $flags -DJAX_MLA_TRACE > "$LOGS/build_trace_$name.log" 2>&1 &
+  fi
+  if [ -n "${BLOCK_TRACE:-}" ]; then
+    bash scripts/build_driver.sh "/tmp/driver_ab_bt_$name" $flags -DJAX_MLA_BLOCK_TRACE > "$LOGS/build_bt_$name.log" 2>&1 &
   fi
 done
 wait
@@ -61,11 +70,11 @@ for name in $names; do
 done
 for round in ${ROUNDS:-1 2 3}; do
   for name in $passed; do
-    timeout 240 "/tmp/driver_ab_$name" --time /tmp/driver_ab_time/time*.bin > "$LOGS/time_${name}_$round.log" 2>&1
+    timeout 240 "/tmp/driver_ab_$name" --time /tmp/driver_ab_time/*/time*.bin > "$LOGS/time_${name}_$round.log" 2>&1
   done
 done
-python3 - "$LOGS" $passed <<'EOF'
-import collections, glob, re, statistics, sys
+CASE_TAGS="${CASE_TAG:-wide}" python3 - "$LOGS" $passed <<'EOF'
+import collections, glob, os, re, statistics, sys
 logs, names = sys.argv[1], sys.argv[2:]
 t, ev, after = ({} for _ in range(3))
 # What each table reads from a timing line of the harness (its numbers, in order).
@@ -77,21 +86,23 @@ PATTERNS = (
 for n in names:
     for f in glob.glob(f"{logs}/time_{n}_*.log"):
         for line in open(f):
-            shape = re.search(r"/(time\d+_\S+?)\.bin", line)
+            shape = re.search(r"/driver_ab_time/(\S+?/time\d+_\S+?)\.bin", line)
             for data, pattern in PATTERNS:
                 m = re.search(pattern, line)
                 if shape and m:
                     data.setdefault(shape.group(1), collections.defaultdict(list))[n].append(tuple(map(float, m.groups())))
-order = lambda s: int(re.match(r"time(\d+)", s).group(1))
+TAGS = os.environ.get("CASE_TAGS", "").split()  # in CASE_TAG's order
+order = lambda s: (TAGS.index(s.split("/")[0]) if s.split("/")[0] in TAGS else len(TAGS),
+                   int(re.match(r"time(\d+)", s.split("/")[1]).group(1)))
 
 
 def table(title, data, width, cell):
     """One row per shape, one column per variant: cell(list of the rounds' tuples) or "-"."""
     print(title)
-    print("shape".ljust(34) + "".join(n.rjust(width) for n in names))
+    print("shape".ljust(40) + "".join(n.rjust(width) for n in names))
     for shape in sorted(data, key=order):
         cells = [cell(data[shape][n]) if data[shape][n] else "-" for n in names]
-        print(shape.ljust(34) + "".join(c.rjust(width) for c in cells))
+        print(shape.ljust(40) + "".join(c.rjust(width) for c in cells))
 
 
 med = lambda v, i: statistics.median(x[i] for x in v)
@@ -106,9 +117,16 @@ EOF
 for name in $passed; do
   for c in ${TRACE_CASES:-}; do
     [ -x "/tmp/driver_ab_trace_$name" ] || { echo "$name: no trace build"; break; }
-    timeout 120 "/tmp/driver_ab_trace_$name" --time "/tmp/driver_ab_time/$c.bin" > "$LOGS/trace_${name}_$c.log" 2>&1
+    log="$LOGS/trace_${name}_${c//\//_}"
+    timeout 120 "/tmp/driver_ab_trace_$name" --time "/tmp/driver_ab_time/$c.bin" > "$log.log" 2>&1
     echo "== timeline of $name on $c"
-    python3 tools/trace_report.py "$LOGS/trace_${name}_$c.log" | tee "$LOGS/trace_report_${name}_$c.txt"
+    python3 tools/trace_report.py "$log.log" | tee "${log}_report.txt"
   done
+  if [ -n "${BLOCK_TRACE:-}" ]; then
+    [ -x "/tmp/driver_ab_bt_$name" ] || { echo "$name: no block-trace build"; continue; }
+    timeout 240 "/tmp/driver_ab_bt_$name" --time /tmp/driver_ab_time/*/time*.bin > "$LOGS/block_trace_$name.log" 2>&1
+    echo "== blocks of $name"
+    python3 tools/block_trace_report.py "$LOGS/block_trace_$name.log" | tee "$LOGS/block_trace_report_$name.txt"
+  fi
 done
 tar czf "$OUT/driver_ab.tar.gz" -C /tmp driver_ab

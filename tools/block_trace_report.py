@@ -6,6 +6,8 @@ Build the standalone driver with the block trace and time cases (on the GPU mach
     /tmp/bt --time /tmp/cases/time*.bin > bt.log
     python3 tools/block_trace_report.py bt.log
 
+or let `BLOCK_TRACE=1 bash scripts/driver_ab.sh` do all three for every variant on its timed cases.
+
 The driver prints, per case, every attention and merge block's SM and globaltimer start and end (ns
 from the first attention block's start; mla_common.cuh, BlockTraceScope) and the work table. This
 prints, per case:

@@ -6,7 +6,7 @@ Build the standalone driver with the trace and time one case (on the GPU machine
     /tmp/trace --time /tmp/cases/time1_128x4096_h128_ps64.bin > trace.log
     python3 tools/trace_report.py trace.log [--pairs 4 28]
 
-or let `TRACE_CASES="time1_128x4096_h128_ps64" bash scripts/driver_ab.sh` do all three for every variant.
+or let `TRACE_CASES="wide/time1_128x4096_h128_ps64" bash scripts/driver_ab.sh` do all three for every variant.
 
 The driver prints, for each traced warp (lane 0 of warps 0 and 3 of each warpgroup, in two
 blocks), clock64 stamps at fixed points of the body (ffi/cuda/mla_wide64_sm90.cuh,

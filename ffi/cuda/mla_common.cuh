@@ -205,38 +205,15 @@ __device__ __forceinline__ bool merge_row_ok(const Problem& p, const MergeRow& m
   return (long long)base + (long long)splits * q_len <= p.num_partial_rows;
 }
 
-// Block timeline for diagnosis (standalone driver builds with -DJAX_MLA_BLOCK_TRACE only; nothing
-// otherwise): per kernel kind (0 attention, 1 merge) and block, the SM it ran on and globaltimer at its
-// start (thread 0) and at its last warp's exit, so a driver can compare where blocks ran with where the
-// planner meant them to run (tools/block_trace_report.py).
-#ifdef JAX_MLA_BLOCK_TRACE
-constexpr int kBlockTraceMax = 8192;
-__device__ unsigned long long g_jax_mla_block_trace[2][kBlockTraceMax][3];  // start, end, SM id
-struct BlockTraceScope {
-  int kind;
-  __device__ static unsigned long long now() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-    return t;
-  }
-  __device__ explicit BlockTraceScope(int k) : kind(k) {
-    if (threadIdx.x == 0 && blockIdx.x < kBlockTraceMax) {
-      unsigned sm;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      g_jax_mla_block_trace[kind][blockIdx.x][0] = now();
-      g_jax_mla_block_trace[kind][blockIdx.x][2] = sm;
-    }
-  }
-  __device__ ~BlockTraceScope() {
-    if ((threadIdx.x & 31) == 0 && blockIdx.x < kBlockTraceMax) atomicMax(&g_jax_mla_block_trace[kind][blockIdx.x][1], now());
-  }
-};
-#define JAX_MLA_BLOCK_TRACE_SCOPE(kind) const BlockTraceScope block_trace_scope(kind)
-#else
-#define JAX_MLA_BLOCK_TRACE_SCOPE(kind) static_cast<void>(0)
-#endif
-
 // ---- PTX wrappers ------------------------------------------------------------
+
+// The GPU's nanosecond clock (the diagnosis timelines: JAX_MLA_BLOCK_TRACE below, JAX_MLA_TRACE in
+// mla_wide64_sm90.cuh).
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
+  return t;
+}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
@@ -375,6 +352,34 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <>
 __device__ __forceinline__ float from_float<float>(float x) { return x; }
+
+// Block timeline for diagnosis (standalone driver builds with -DJAX_MLA_BLOCK_TRACE only; nothing
+// otherwise): per kernel kind (0 attention, 1 merge) and block, the SM it ran on and globaltimer at its
+// start (thread 0) and at its last warp's exit, so a driver can compare where blocks ran with where the
+// planner meant them to run (tools/block_trace_report.py).
+#ifdef JAX_MLA_BLOCK_TRACE
+constexpr int kBlockTraceMax = 8192;
+__device__ unsigned long long g_jax_mla_block_trace[2][kBlockTraceMax][3];  // start, end, SM id
+struct BlockTraceScope {
+  int kind;
+  __device__ explicit BlockTraceScope(int k) : kind(k) {
+    if (threadIdx.x == 0 && blockIdx.x < kBlockTraceMax) {
+      unsigned sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      g_jax_mla_block_trace[kind][blockIdx.x][0] = globaltimer_ns();
+      g_jax_mla_block_trace[kind][blockIdx.x][2] = sm;
+    }
+  }
+  __device__ ~BlockTraceScope() {
+    if ((threadIdx.x & 31) == 0 && blockIdx.x < kBlockTraceMax) {
+      atomicMax(&g_jax_mla_block_trace[kind][blockIdx.x][1], globaltimer_ns());
+    }
+  }
+};
+#define JAX_MLA_BLOCK_TRACE_SCOPE(kind) const BlockTraceScope block_trace_scope(kind)
+#else
+#define JAX_MLA_BLOCK_TRACE_SCOPE(kind) static_cast<void>(0)
+#endif
 
 }  // namespace cuda
 }  // namespace jax_mla

@@ -181,11 +181,6 @@ __device__ __forceinline__ long long trace_clock() {
   asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
   return t;
 }
-__device__ __forceinline__ long long trace_globaltimer() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
-  return t;
-}
 #ifndef JAX_MLA_TRACE_BLOCK
 #define JAX_MLA_TRACE_BLOCK 200
 #endif
@@ -295,7 +290,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   const int trace_slot = lane == 0 && (warp == 0 || warp == 3) && (blockIdx.x == 0 || blockIdx.x == JAX_MLA_TRACE_BLOCK)
                              ? (blockIdx.x == 0 ? 0 : 4) + 2 * HALF + (warp == 3)
                              : -1;
-  if (trace_slot >= 0) g_jax_mla_trace[trace_slot][0][6] = trace_globaltimer();
+  if (trace_slot >= 0) g_jax_mla_trace[trace_slot][0][6] = (long long)globaltimer_ns();
   WIDE64_TRACE(0, 0);
 #endif
   const int rows = u.q_len * hb;
@@ -571,7 +566,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   static_assert(kStagedRowsBytes <= 2 * W::BUF, "the staged rows fit in the key buffers");
   WIDE64_TRACE(0, 5);
 #ifdef JAX_MLA_TRACE
-  if (trace_slot >= 0) g_jax_mla_trace[trace_slot][0][7] = trace_globaltimer();
+  if (trace_slot >= 0) g_jax_mla_trace[trace_slot][0][7] = (long long)globaltimer_ns();
 #endif
 }
 

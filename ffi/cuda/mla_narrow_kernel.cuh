@@ -139,9 +139,6 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   const CacheScales scales = cache_scales<kCache>(p);
   const float scale_log2 = p.scale_log2 * scales.score;
 
-  // ---- queries, staged (rows r = (token r / hb, head h0 + r % hb); padding rows zero) ----
-  load_query_tile<T, Shape::ROWS, kThreads>(p, u, h0, hb, rows, tid, [&](int r, int c) { return s_q + swz(r, c); });
-
   const int kv_begin = u.kv_begin;
   const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
   // Until the device length arrives (finish_unit below), page ids are fetched
@@ -159,23 +156,28 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
         [&](int kl, int c) { return s_kv + (stage * BK + kl) * ROW + (((c - C0) ^ (kl & 7)) << 4); });
   };
 
-  // Prologue: queries and the pages of blocks 0 .. 2S-3 in one round trip, with
-  // the device length in flight beside them. Blocks 0 .. S-2 are gathered as soon
-  // as their page ids land: they go to stages 0 .. S-2, beside the queries'
-  // staging stage, so their round trip overlaps the queries' move to registers.
+  // Prologue: the pages of blocks 0 .. 2S-3, then the queries (staged: rows r = (token r / hb, head
+  // h0 + r % hb), padding rows zero), two cp.async groups in one round trip with the device length in
+  // flight beside them. Blocks 0 .. S-2 are gathered as soon as their page ids land (before the
+  // queries, which arrive later: more bytes), into stages 0 .. S-2, beside the queries' staging stage;
+  // the queries then move to registers while those keys are in flight.
 #pragma unroll 1
   for (int b = 0; b < 2 * STAGES - 2; ++b) fetch_pages(b);
+  cp_async_commit();
+  load_query_tile<T, Shape::ROWS, kThreads>(p, u, h0, hb, rows, tid, [&](int r, int c) { return s_q + swz(r, c); });
   cp_async_commit();
   finish_unit(p, u);
   key_bound = u.range_end;
   num_blocks = (u.range_end - kv_begin + BK - 1) / BK;
-  cp_async_wait<0>();
+  cp_async_wait<1>();  // the page ids (the queries may still be in flight)
   __syncthreads();
 #pragma unroll 1  // one copy of the gather code besides the loop's (instruction-cache footprint)
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < num_blocks) issue_block(s);
     cp_async_commit();
   }
+  cp_async_wait<STAGES - 1>();  // the queries (only the S - 1 key groups may still be in flight)
+  __syncthreads();
   float row_scale[2] = {1.f, 1.f};  // softmax rows 2w, 2w+1: the queries' power of two (fp8 in registers)
   if constexpr (kRaw8) {
     narrow_prepare_queries_fp8<T>([&](int r, int c) { return s_q + swz(r, c); }, warp, lane, scales.rope_query,

@@ -162,6 +162,17 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
 #endif
 }
 
+// Four 8 x 8 matrices of 16-bit pairs stored transposed: lane (g, t)'s r[i] holds row g, columns
+// 2t, 2t+1 of matrix i, which land in rows 2t, 2t+1 (column g) of memory; lanes 8i .. 8i+7 give the
+// addresses of matrix i's eight memory rows.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+#endif
+}
+
 // ---- named barriers between warpgroups -----------------------------------------
 
 // Not .aligned: the two consumer warpgroups reach it through different code (one
@@ -294,6 +305,19 @@ __device__ __forceinline__ void wgmma_64x256_ss_mn(float (&d)[128], uint64_t des
                   "l"(desc_b), "r"(accumulate))
 #endif
 }
+// The fp8 narrow body's products, transposed (mla_narrow_fp8_sm90.cuh): D 64 x 16 (64 keys or 64 output
+// dims x the 16 query rows), A from registers (keys or V^T, converted in registers from raw e4m3),
+// B (16 rows x 16) K-major in shared memory (the queries, or P).
+#define JAX_MLA_D8() JAX_MLA_F8(0)
+template <typename T>
+__device__ __forceinline__ void wgmma_64x16_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b,
+                                               int accumulate) {
+#ifdef JAX_MLA_HAS_WGMMA
+  JAX_MLA_WGMMA_T("m64n16k16", "%0, %1, %2, %3, %4, %5, %6, %7", JAX_MLA_D8, "{%8, %9, %10, %11}, %12", "%13",
+                  "1, 1, 0", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+#endif
+}
+#undef JAX_MLA_D8
 #undef JAX_MLA_WGMMA_T
 #undef JAX_MLA_R128
 #undef JAX_MLA_R32

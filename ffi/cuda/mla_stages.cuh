@@ -55,11 +55,11 @@ __device__ __forceinline__ void fetch_page_ids(const Problem& p, const int* pt_r
 }
 
 // Key gather of block blk into ring stage `stage`: thread tid takes keys
-// kl = pass * 32 + tid / 8 (PASSES passes of 32 keys) and chunks tid % 8 + 8 i of
-// each (gather_key_row). Keys past u.range_end or on a page id outside the cache
+// kl = pass * KPP + tid / 8 (PASSES passes of KPP keys: 32 for 256 threads, 16 for a warpgroup)
+// and chunks tid % 8 + 8 i of each (gather_key_row). Keys past u.range_end or on a page id outside the cache
 // are zero-filled (never read out of bounds) and flagged 0 in key_ok[stage * BK + kl].
 // chunk(kl, c): shared address of chunk c of key kl's row in this stage.
-template <int kCache, int BK, int RING, int PASSES, typename KeyOk, typename ChunkAddr>
+template <int kCache, int BK, int RING, int PASSES, int KPP = 32, typename KeyOk, typename ChunkAddr>
 __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u, const int* page_ring, KeyOk* key_ok,
                                                  int kv_begin, int blk, int stage, int tid, ChunkAddr chunk) {
   using F = CacheFormat<kCache>;
@@ -69,7 +69,7 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
   const int* pages = page_ring + (blk % RING) * BK;
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
-    const int kl = pass * 32 + (tid >> 3);
+    const int kl = pass * KPP + (tid >> 3);
     const int key = kv_begin + blk * BK + kl;
     const int page = pages[kl];
     const bool ok = key < u.range_end && page >= 0 && page < p.num_pages;
@@ -84,9 +84,10 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
 // cache's scale, mla_fp8.cuh), stored in the query type, or in float32 as a split unit's partial
 // for the merge; and, where write_lse, the row's LSE (natural log; -inf with no key). m_log2 is the
 // row's running max in base 2. The thread holds NPAIRS column pairs, pair(j) gives them: in groups of
-// GROUP adjacent pairs, group i at col0 + 8 GROUP i (the m16n8 layout: GROUP 1, pair j at col0 + 8 j;
-// the narrow body's fp8 P V holds four adjacent columns, GROUP 2).
-template <typename T, int NPAIRS, int GROUP = 1, typename Pair>
+// GROUP adjacent pairs, group i at col0 + 2 STRIDE i (the m16n8 layout: GROUP 1, pair j at col0 + 8 j;
+// the narrow body's fp8 P V holds four adjacent columns, GROUP 2; STRIDE is in pairs, 4 GROUP unless
+// given: the transposed fp8 body's pairs are 64 columns apart).
+template <typename T, int NPAIRS, int GROUP = 1, int STRIDE = 4 * GROUP, typename Pair>
 __device__ __forceinline__ void store_tile_row(const Problem& p, const Unit& u, int h0, int hb, int r, int col0,
                                                float l, float m_log2, float out_scale, bool write_lse, Pair pair) {
   const float inv = l != 0.f ? out_scale / l : 0.f;
@@ -98,7 +99,7 @@ __device__ __forceinline__ void store_tile_row(const Problem& p, const Unit& u, 
 #pragma unroll
     for (int j = 0; j < NPAIRS; ++j) {
       const float2 v = pair(j);
-      dst[(j / GROUP) * 4 * GROUP + j % GROUP] = pack2<T>(v.x * inv, v.y * inv);
+      dst[(j / GROUP) * STRIDE + j % GROUP] = pack2<T>(v.x * inv, v.y * inv);
     }
     if (write_lse) p.lse[row] = lse;
   } else {
@@ -107,7 +108,7 @@ __device__ __forceinline__ void store_tile_row(const Problem& p, const Unit& u, 
 #pragma unroll
     for (int j = 0; j < NPAIRS; ++j) {
       const float2 v = pair(j);
-      dst[(j / GROUP) * 4 * GROUP + j % GROUP] = make_float2(v.x * inv, v.y * inv);
+      dst[(j / GROUP) * STRIDE + j % GROUP] = make_float2(v.x * inv, v.y * inv);
     }
     if (write_lse) p.partial_lse[row] = lse;
   }

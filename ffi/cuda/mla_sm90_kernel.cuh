@@ -7,6 +7,7 @@
 // (mla_attention_kernel.cuh).
 #pragma once
 
+#include "mla_narrow_fp8_sm90.cuh"
 #include "mla_wide64_sm90.cuh"
 #include "mla_wide_sm90.cuh"
 
@@ -16,7 +17,8 @@ namespace cuda {
 // ---- the kernel ----------------------------------------------------------------------
 
 // Room for the wgmma bodies and for the two bodies it hands units to (narrow; portable wide, fp8 caches).
-constexpr int kSm90SmemBytes = cmax(cmax(WideSm90::SMEM_BYTES, Wide64Sm90::SMEM_BYTES), kAttentionSmemBytes);
+constexpr int kSm90SmemBytes =
+    cmax(cmax(cmax(WideSm90::SMEM_BYTES, Wide64Sm90::SMEM_BYTES), NarrowFp8Sm90::SMEM_BYTES), kAttentionSmemBytes);
 static_assert(kSm90SmemBytes <= 227 * 1024, "one block per SM must fit");
 
 // grid.x = W * head_blocks (head blocks of one unit are neighbours: the second
@@ -58,6 +60,13 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
       claim_registers<232>();
     }
     if (rows <= 16) {
+#if defined(JAX_MLA_HAS_WGMMA) && defined(JAX_MLA_NARROW_FP8_WGMMA)
+      // An experiment, off by default (mla_narrow_fp8_sm90.cuh says why): the transposed wgmma body.
+      if constexpr (kCache == kCacheFp8Ckv) {
+        attend_unit_narrow_fp8_sm90<T>(p, u, h0, hb, smem);
+        return;
+      }
+#endif
       attend_unit_narrow<T, NarrowShapeFor<kCache>, kCache>(p, u, h0, hb, smem);
     } else if constexpr (!kWgmmaCache || kWide64) {
       finish_unit(p, u);

@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kThreads) mla_attention_f32_kernel(const Probl
   const float* q_pe = static_cast<const float*>(p.q_pe);
   const float* ckv = static_cast<const float*>(p.ckv);
   const float* kpe = static_cast<const float*>(p.kpe);
-  const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+  const int* pt_row = page_table_row(p, u);
 
   for (int r = warp; r < rows; r += kWarps) {
     const int i = r / hb, h = h0 + r % hb;

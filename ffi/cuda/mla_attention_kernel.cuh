@@ -112,7 +112,7 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
   const int kv_begin = u.kv_begin;
   const int num_keys = u.range_end - kv_begin;
   const int num_blocks = (num_keys + BK - 1) / BK;
-  const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+  const int* pt_row = page_table_row(p, u);
 
   // Page ids travel through a shared-memory ring, fetched with 4-byte cp.async
   // S-1 blocks before the keys that need them and waited for together with the

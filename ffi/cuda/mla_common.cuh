@@ -189,6 +189,15 @@ __device__ __forceinline__ void finish_unit(const Problem& p, Unit& u) {
 // Keys whose page ids can be read before the device length is known: the
 // split's range clipped to the page table's capacity.
 __device__ __forceinline__ int page_bound(const Problem& p, const Unit& u) { return min(u.kv_stop, p.capacity); }
+// The keys whose page ids a body may fetch before the device length arrives (finish_unit): those
+// bounds, none for a bad request. Keys past the length are never gathered.
+__device__ __forceinline__ int early_key_bound(const Problem& p, const Unit& u) {
+  return u.request >= 0 && u.request < p.num_requests ? page_bound(p, u) : u.kv_begin;
+}
+// The unit's row of the page table (row 0 for a bad request, whose keys are all masked).
+__device__ __forceinline__ const int* page_table_row(const Problem& p, const Unit& u) {
+  return p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+}
 
 __device__ __forceinline__ bool decode_unit(const Problem& p, int index, Unit& u) {
   if (!start_unit(p, index, u)) return false;

@@ -79,6 +79,23 @@ __device__ __forceinline__ uint32_t fp8_row_chunk(uint32_t stage, int kl, int c)
   return stage + (uint32_t)(kl * NarrowFp8Sm90::ROW + ((c ^ (kl & 7)) << 4));
 }
 
+// Two A fragments (m64 x k16, the mma.sync A layout per warp) from the four converted words of one
+// ldmatrix.x4: c0, c1 the first fragment's matrices (its rows g and g + 8 of the warp's 16), c2, c3
+// the second's. kKeys (S^T: rows are keys): a word's .x holds k-slots 2t, 2t+1 and .y k-slots 2t+8,
+// 2t+9 of its row. Otherwise (O^T: rows are dims; ldmatrix.trans): a word's .x is row g (dim 2g) and
+// .y row g + 8 (dim 2g + 1), for k-slots 2t, 2t+1 (c0, c2) or 2t+8, 2t+9 (c1, c3).
+template <bool kKeys>
+__device__ __forceinline__ void transposed_a_fragments(uint32_t (&a0)[4], uint32_t (&a1)[4], uint2 c0, uint2 c1,
+                                                       uint2 c2, uint2 c3) {
+  if constexpr (kKeys) {
+    a0[0] = c0.x, a0[1] = c1.x, a0[2] = c0.y, a0[3] = c1.y;
+    a1[0] = c2.x, a1[1] = c3.x, a1[2] = c2.y, a1[3] = c3.y;
+  } else {
+    a0[0] = c0.x, a0[1] = c0.y, a0[2] = c1.x, a0[3] = c1.y;
+    a1[0] = c2.x, a1[1] = c2.y, a1[2] = c3.x, a1[3] = c3.y;
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Unit u, int h0, int hb, char* smem) {
   using N = NarrowFp8Sm90;
@@ -109,10 +126,8 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
   const CacheScales scales = cache_scales<kCache>(p);
   const float scale_log2 = p.scale_log2 * scales.score;
   const int kv_begin = u.kv_begin;
-  const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
-  // Until the device length arrives (finish_unit below), page ids are fetched up to the page
-  // table's bound, as in the mma.sync body.
-  int key_bound = u.request >= 0 && u.request < p.num_requests ? page_bound(p, u) : kv_begin;
+  const int* pt_row = page_table_row(p, u);
+  int key_bound = early_key_bound(p, u);  // until finish_unit below
   int num_blocks = INT_MAX;
   // This warpgroup's local block i is the unit's block 2 i + wg.
   auto fetch_pages = [&](int i) {
@@ -226,16 +241,8 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
         for (int jj = 0; jj < 4; ++jj) {  // steps 8q + 2jj and + 1: chunks of keys g, g + 8
           uint32_t kb[4];
           ldmatrix_x4(kb, k_row + (((8 * q + 2 * jj + hi) ^ sw) << 4));
-          const uint2 c0 = fp8x4_to_half2x2(kb[0]), c1 = fp8x4_to_half2x2(kb[1]);
-          const uint2 c2 = fp8x4_to_half2x2(kb[2]), c3 = fp8x4_to_half2x2(kb[3]);
-          a[2 * jj][0] = c0.x;
-          a[2 * jj][1] = c1.x;
-          a[2 * jj][2] = c0.y;
-          a[2 * jj][3] = c1.y;
-          a[2 * jj + 1][0] = c2.x;
-          a[2 * jj + 1][1] = c3.x;
-          a[2 * jj + 1][2] = c2.y;
-          a[2 * jj + 1][3] = c3.y;
+          transposed_a_fragments<true>(a[2 * jj], a[2 * jj + 1], fp8x4_to_half2x2(kb[0]), fp8x4_to_half2x2(kb[1]),
+                                       fp8x4_to_half2x2(kb[2]), fp8x4_to_half2x2(kb[3]));
         }
         wgmma_fence();
         const uint32_t q_step = q_lo + ((2 * q * N::PANEL) >> 4);  // steps 8q .. 8q + 7: panels 2q, 2q + 1
@@ -331,17 +338,9 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
           uint32_t vb[4];
           ldmatrix_x4_trans(vb, v_row + ks * 16 * N::ROW + (((4 * (2 * jp + hi) + warp) ^ sw) << 4));
           // vb[0]: keys 0-7 of the step, vb[1]: keys 8-15 (tile 2jp); vb[2], vb[3] the same of tile 2jp + 1.
-          // A row g = dim 2g of the warp's chunk, row g + 8 = dim 2g + 1.
-          const uint2 c0 = fp8x4_trans_to_half2x2(vb[0]), c1 = fp8x4_trans_to_half2x2(vb[1]);
-          const uint2 c2 = fp8x4_trans_to_half2x2(vb[2]), c3 = fp8x4_trans_to_half2x2(vb[3]);
-          a[2 * jp][0] = c0.x;
-          a[2 * jp][1] = c0.y;
-          a[2 * jp][2] = c1.x;
-          a[2 * jp][3] = c1.y;
-          a[2 * jp + 1][0] = c2.x;
-          a[2 * jp + 1][1] = c2.y;
-          a[2 * jp + 1][2] = c3.x;
-          a[2 * jp + 1][3] = c3.y;
+          transposed_a_fragments<false>(a[2 * jp], a[2 * jp + 1], fp8x4_trans_to_half2x2(vb[0]),
+                                        fp8x4_trans_to_half2x2(vb[1]), fp8x4_trans_to_half2x2(vb[2]),
+                                        fp8x4_trans_to_half2x2(vb[3]));
         }
         wgmma_fence();
 #pragma unroll

@@ -140,10 +140,8 @@ __device__ __forceinline__ void attend_unit_narrow(const Problem& p, Unit u, int
   const float scale_log2 = p.scale_log2 * scales.score;
 
   const int kv_begin = u.kv_begin;
-  const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
-  // Until the device length arrives (finish_unit below), page ids are fetched
-  // up to the page table's bound; keys past the length are never gathered.
-  int key_bound = u.request >= 0 && u.request < p.num_requests ? page_bound(p, u) : kv_begin;
+  const int* pt_row = page_table_row(p, u);
+  int key_bound = early_key_bound(p, u);  // until finish_unit below
   int num_blocks = INT_MAX;
 
   auto fetch_pages = [&](int blk) {

@@ -116,7 +116,7 @@ struct Wide64Pages {
 __device__ __forceinline__ Wide64Pages wide64_block_pages(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
                                                           int blk) {
   using W = Wide64Sm90;
-  const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+  const int* pt_row = page_table_row(p, u);
   const int key0 = u.kv_begin + blk * W::BK, key1 = key0 + W::BOX;
   Wide64Pages g;
   g.page[0] = __ldg(pt_row + (key0 >> p.log2_page_size));

@@ -181,7 +181,7 @@ __device__ __forceinline__ void wide_load_keys(const Problem& p, const KeyTensor
   const T* kpe = static_cast<const T*>(p.kpe);
   const int kv_begin = u.kv_begin;
   const int num_blocks = (u.range_end - kv_begin + W::BK - 1) / W::BK;
-  const int* pt_row = p.page_table + (size_t)max(u.request, 0) * p.max_pages;
+  const int* pt_row = page_table_row(p, u);
   const int key_in_block = warp + WARPS * (lane & (KEYS - 1));
   auto page_of = [&](int blk) {
     const int key = kv_begin + blk * W::BK + key_in_block;

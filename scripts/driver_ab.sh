@@ -7,8 +7,8 @@
 # A variant is NAME:SPEC. SPEC is a comma-separated list of nvcc flags (macros the sources test),
 # or @DIR: the kernel sources in DIR replace ffi/cuda (make DIR on your machine with
 # `bash scripts/driver_ab.sh --export REV DIR`, leave it untracked and unignored so it travels).
-# Each variant's driver is built, run on the wide correctness cases (`cases.py make --wide`) and
-# checked against the NumPy reference; then every variant that passed is timed on the shapes tagged
+# Each variant's driver is built, run on the wide correctness cases (`cases.py make --wide`; with
+# CHECK_ALL=1 on every case, narrow units too) and checked against the NumPy reference; then every variant that passed is timed on the shapes tagged
 # CASE_TAG (default `wide`; several tags, space-separated: "extra timing fp8") in ROUNDS interleaved
 # rounds (default "1 2 3"). Prints the median op time (and attention-alone time) per shape (TAG/timeN_...)
 # and variant; logs in $OUT/driver_ab.tar.gz.
@@ -32,7 +32,8 @@ rm -rf "$LOGS" && mkdir -p "$LOGS" "$OUT"
 VARIANTS=${VARIANTS:-"base:"}
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv > "$LOGS/gpu.txt" 2>&1
 
-JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py make /tmp/driver_ab_check --wide > "$LOGS/cases.log" 2>&1 &
+JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py make /tmp/driver_ab_check $([ -n "${CHECK_ALL:-}" ] || echo --wide) \
+  > "$LOGS/cases.log" 2>&1 &
 rm -rf /tmp/driver_ab_time
 for tag in ${CASE_TAG:-wide}; do
   JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "/tmp/driver_ab_time/$tag" --tag "$tag" \

@@ -8,7 +8,8 @@
 #   scripts/gpu_check.sh [build] [decode] [hostprofile] [check|quickcheck] [test] [sanitize] [parallel] [timing]
 #                        [bench] [sweep]
 #   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests, SANITIZE_WIDE=1 the
-#   sanitizers' cases; a failed check skips the steps after it unless KEEP_GOING is set)
+#   sanitizers' cases, HARNESS / SANITIZE_TOOLS / SANITIZER_ARGS their driver, tools and options; a
+#   failed check skips the steps after it unless KEEP_GOING is set)
 #
 # FlashInfer 0.2.5 for the benchmark's peers: its sdist in .peer/ (git-ignored;
 # `pip download --no-deps flashinfer-python==0.2.5 -d .peer`), installed here
@@ -104,16 +105,20 @@ fi
 if has sanitize && [ $built -eq 0 ]; then
   # Standalone driver (no JAX): one cudaMalloc per operand, so memcheck sees each
   # operand's true bounds; outputs then checked against NumPy.
-  harness=build/gpu/sanitize_harness
+  # HARNESS: another driver build, e.g. build/gpu/sanitize_harness_narrow_fp8_wgmma (the experimental
+  # fp8 narrow body); SANITIZE_TOOLS: which tools (default all three); SANITIZER_ARGS: more
+  # compute-sanitizer options, e.g. SANITIZE_TOOLS=racecheck SANITIZER_ARGS="--racecheck-report hazard".
+  harness=${HARNESS:-build/gpu/sanitize_harness}
   [ -x $harness ] || { echo "no $harness: run the build step"; status=1; }
   # SANITIZE_WIDE=1: only the cases with units of > 16 rows (the wgmma bodies; the driver built, 13 cases
   # made and all three tools run in 53 s on 2026-12-02), so that
   # `build check test sanitize bench` fits in one 600 s device call.
   JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py make /tmp/mla_cases ${SANITIZE_WIDE:+--wide} \
     | tee "$LOGS/harness_cases.log"
-  for tool in memcheck racecheck synccheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     note "compute-sanitizer --tool $tool $harness"
-    timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 9 $harness /tmp/mla_cases/case*.bin \
+    timeout ${SANITIZE_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 9 ${SANITIZER_ARGS:-} $harness \
+      /tmp/mla_cases/case*.bin \
       > "$LOGS/sanitizer_$tool.log" 2>&1
     rc=$?
     [ $rc -eq 0 ] || status=1

@@ -216,6 +216,8 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
             tags=_tags("small", "sweep")),
     ArgSpec(64, 1, (1, 1, 2), (260, 31, 77), dtype="float16", kv_dtype="float8_e4m3fn", bad_pages=True,
             split=True, tags=_tags("small", "sweep")),
+    # ... narrow fp8 units on pages of 64 keys (the benchmarks' page size), split, a partial last block
+    ArgSpec(16, 64, (1, 1, 1), (900, 64, 130), kv_dtype="float8_e4m3fn", split=True, tags=_tags("small", "sweep")),
     # ... and wide fp8 units of many blocks ending in a partial one: the wgmma body's producer turns
     # each latent half into fp16 in its stage (TMA for whole blocks, cp.async for the partial one)
     ArgSpec(32, 64, (1, 2, 1), (700, 450, 129), kv_dtype="float8_e4m3fn", whole=True, tags=_tags("small", "sweep")),

@@ -10,8 +10,9 @@
 # Each variant's driver is built, run on the wide correctness cases (`cases.py make --wide`; with
 # CHECK_ALL=1 on every case, narrow units too) and checked against the NumPy reference; then every
 # variant that passed is timed on the shapes tagged CASE_TAG (default `wide`; several tags,
-# space-separated: "extra timing fp8") in ROUNDS interleaved rounds (default "1 2 3"). Prints the median op time (and attention-alone time) per shape (TAG/timeN_...)
-# and variant; logs in $OUT/driver_ab.tar.gz.
+# space-separated: "extra timing fp8") in ROUNDS interleaved rounds (default "1 2 3"). Prints the
+# median op time (and attention-alone time) per shape (TAG/timeN_...) and variant; logs in
+# $OUT/driver_ab.tar.gz.
 # TRACE_CASES="wide/time1_128x4096_h128_ps64 ...": also build every variant that passed with -DJAX_MLA_TRACE,
 # time those cases once more and print the 64-key body's timeline (tools/trace_report.py).
 # BLOCK_TRACE=1: also build every variant with -DJAX_MLA_BLOCK_TRACE, run every timed case once more and

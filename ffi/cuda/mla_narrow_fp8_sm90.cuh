@@ -73,11 +73,9 @@ struct NarrowFp8Sm90 {
   static_assert(ROW % 128 == 0, "the swizzle spreads eight rows over all banks");
 };
 
-// Stage chunk c of key row kl: rows of 640 bytes, chunk c at c ^ (kl & 7) (the narrow body's
-// swizzle: every ldmatrix phase reads eight rows at one logical chunk).
-__device__ __forceinline__ uint32_t fp8_row_chunk(uint32_t stage, int kl, int c) {
-  return stage + (uint32_t)(kl * NarrowFp8Sm90::ROW + ((c ^ (kl & 7)) << 4));
-}
+// Query row (column of S^T and O^T) of accumulator element e of a 64 x 16 tile: R[acc_row(e)] with
+// R = {2t, 2t + 1, 8 + 2t, 9 + 2t}; its M-row (key, or dim) is g + 8 ((e >> 1) & 1) of the warp's 16.
+__device__ __forceinline__ constexpr int acc_row(int e) { return (e & 1) + 2 * (e >> 2); }
 
 // Two A fragments (m64 x k16, the mma.sync A layout per warp) from the four converted words of one
 // ldmatrix.x4: c0, c1 the first fragment's matrices (its rows g and g + 8 of the warp's 16), c2, c3
@@ -137,7 +135,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     const uint32_t stage = s_kv + (i & 1) * N::STAGE;
     gather_key_block<kCache, N::BK, N::RING, N::BK / 16, 16>(
         p, u, ring, key_ok, kv_begin, 2 * i + wg, i & 1, wtid,
-        [&](int kl, int c) { return fp8_row_chunk(stage, kl, c - C0); });
+        [&](int kl, int c) { return stage + swz<N::ROW>(kl, c - C0); });  // the narrow body's swizzle
   };
 
   // ---- prologue (both warpgroups): page ids of local blocks 0-2, the queries, block 0 ----
@@ -178,15 +176,14 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
       st_shared_v4(row + (((c + 1) ^ (r & 7)) << 4), make_uint4(a.y, a.w, b.y, b.w));
     } else {
       const int c = s - 32;
-      st_shared_v4(base + N::QP_OFF + 8 * N::PANEL + r * 128 + ((c ^ (r & 7)) << 4), ld_shared_v4(s_q + swz(r, 64 + c)));
+      st_shared_v4(base + N::QP_OFF + 8 * N::PANEL + r * 128 + ((c ^ (r & 7)) << 4),
+                   ld_shared_v4(s_q + swz(r, 64 + c)));
     }
   }
   fence_proxy_async_shared();  // the panels reach wgmma's reads
   named_barrier_sync(kBothWarpgroups, 256);
 
-  // ---- per thread: rows R[k] of the accumulators (S^T's and O^T's columns) ----
-  // Accumulator element e of a 64 x 16 tile: M-row (key, or dim) g + 8 ((e >> 1) & 1) of the
-  // warp's 16, query row R[(e & 1) + 2 (e >> 2)].
+  // ---- per thread: rows R[k] of the accumulators (S^T's and O^T's columns; acc_row) ----
   int R[4], row_limit[4];
   float row_scale[4], m_run[4], l_thr[4];
 #pragma unroll
@@ -276,7 +273,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     float mx[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const int k = (e & 1) + 2 * (e >> 2), up = (e >> 1) & 1;
+      const int k = acc_row(e), up = (e >> 1) & 1;
       const bool vis = (up ? ok1 : ok0) && key0 + 16 * warp + g + 8 * up < row_limit[k];
       s[e] = vis ? s[e] * row_scale[k] : -INFINITY;
       mx[k] = fmaxf(mx[k], s[e]);
@@ -294,7 +291,8 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     float alpha[4], m_use[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const float bm = fmaxf(fmaxf(red_b[R[k]], red_b[N::ROWS + R[k]]), fmaxf(red_b[2 * N::ROWS + R[k]], red_b[3 * N::ROWS + R[k]]));
+      const float bm = fmaxf(fmaxf(red_b[R[k]], red_b[N::ROWS + R[k]]),
+                             fmaxf(red_b[2 * N::ROWS + R[k]], red_b[3 * N::ROWS + R[k]]));
       const float m_new = fmaxf(m_run[k], bm);
       m_use[k] = m_new == -INFINITY ? 0.f : m_new;  // nothing seen yet: zeros, no NaN
       alpha[k] = fast_exp2(m_run[k] - m_use[k]);
@@ -303,9 +301,8 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const int k = (e & 1) + 2 * (e >> 2);
-      s[e] = fast_exp2(s[e] - m_use[k]);
-      sum[k] += s[e];
+      s[e] = fast_exp2(s[e] - m_use[acc_row(e)]);
+      sum[acc_row(e)] += s[e];
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) l_thr[k] = l_thr[k] * alpha[k] + sum[k];
@@ -321,7 +318,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) o[j][e] *= alpha[(e & 1) + 2 * (e >> 2)];
+      for (int e = 0; e < 8; ++e) o[j][e] *= alpha[acc_row(e)];
     named_barrier_sync(bar, 128);  // P of every warp is in the panel
 
     // ---- O^T += V^T P^T: per 16 keys, tiles 2jp and 2jp + 1 from one ldmatrix.trans ----
@@ -412,8 +409,9 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
                                   scales.out, round == 0 && wg == 0 && warp == 0 && g == 0, [&](int jj) {
                                     const float x = wg == 0 ? o[2 * round + jj][e0] : o[4 + 2 * round + jj][e0];
                                     const float y = wg == 0 ? o[2 * round + jj][e0 + 2] : o[4 + 2 * round + jj][e0 + 2];
-                                    return make_float2(x * a_own[k] + x_in[(jj * 8 + e0) * 128 + wtid] * a_other[k],
-                                                       y * a_own[k] + x_in[(jj * 8 + e0 + 2) * 128 + wtid] * a_other[k]);
+                                    const float* other = x_in + jj * 8 * 128 + wtid;
+                                    return make_float2(x * a_own[k] + other[e0 * 128] * a_other[k],
+                                                       y * a_own[k] + other[(e0 + 2) * 128] * a_other[k]);
                                   });
     }
   }

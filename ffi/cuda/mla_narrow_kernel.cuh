@@ -103,9 +103,10 @@ constexpr bool kNarrowRawFp8 = kCache == kCacheFp8Ckv;
 template <int kCache>
 using NarrowShapeFor = std::conditional_t<kNarrowRawFp8<kCache>, NarrowShapeFp8, NarrowShape64x3>;
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile.
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile of ROW_BYTES-byte rows.
+template <int ROW_BYTES = kNarrowRowBytes>
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {
-  return (uint32_t)(row * kNarrowRowBytes + ((chunk ^ (row & 7)) << 4));
+  return (uint32_t)(row * ROW_BYTES + ((chunk ^ (row & 7)) << 4));
 }
 
 template <typename T, typename Shape, int kCache = kCacheAsQuery>

@@ -13,6 +13,8 @@
 # space-separated: "extra timing fp8") in ROUNDS interleaved rounds (default "1 2 3"). Prints the
 # median op time (and attention-alone time) per shape (TAG/timeN_...) and variant; logs in
 # $OUT/driver_ab.tar.gz.
+# TIMING_L2=1: also time every shape with its page ids drawn from 32 pages (TAG-L2/...), the keys in L2:
+# how fast the body runs when the copy is free.
 # TRACE_CASES="wide/time1_128x4096_h128_ps64 ...": also build every variant that passed with -DJAX_MLA_TRACE,
 # time those cases once more and print the 64-key body's timeline (tools/trace_report.py).
 # BLOCK_TRACE=1: also build every variant with -DJAX_MLA_BLOCK_TRACE, run every timed case once more and
@@ -39,6 +41,10 @@ rm -rf /tmp/driver_ab_time
 for tag in ${CASE_TAG:-wide}; do
   JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "/tmp/driver_ab_time/$tag" --tag "$tag" \
     >> "$LOGS/cases.log" 2>&1 &
+  if [ -n "${TIMING_L2:-}" ]; then  # the same shapes with every page id drawn from 32 pages (keys in L2)
+    JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "/tmp/driver_ab_time/${tag}-L2" --tag "$tag" --l2 \
+      >> "$LOGS/cases.log" 2>&1 &
+  fi
 done
 names=""
 for v in $VARIANTS; do

@@ -111,12 +111,14 @@ __device__ __forceinline__ uint2 fp8x4_trans_to_half2x2(uint32_t w) {
 // The power of two k that brings a query row of largest magnitude `amax` just under 2^15 (amax
 // 2^k < 2^15), where fp16 keeps every value a bf16 row holds down to 2^-24 of its largest at full
 // precision (smaller ones cannot move a score). An all-zero (padding) or non-finite row keeps 0.
+// TOP = 8 brings it under 2^8 instead (the e4m3 split below).
+template <int TOP = 15>
 __device__ __forceinline__ int fp8_query_exponent(float amax) {
   int k = 0;
   if (amax > 0.f && amax <= 3.0e38f) {
     int ex;
     frexpf(amax, &ex);  // amax < 2^ex
-    k = min(max(15 - ex, -100), 100);
+    k = min(max(TOP - ex, -100), 100);
   }
   return k;
 }
@@ -156,7 +158,10 @@ __device__ __forceinline__ uint4 scale_query_chunk(uint4 v, float f, bool rope) 
 // rope_factor 2^k_r, rounded once to T (kpe stays T). Warp w rewrites rows 2 w and 2 w + 1, a lane
 // its chunks lane + 32 i, and returns 2^-k_r for them: the factor on those rows' softmax scale (the
 // softmax rows of warp w are the same two). The caller synchronises the block before fragments are read.
-template <typename T, typename RowChunkAddr>
+// kSplit: the latent MMAs are e4m3 x e4m3 (split_e4m3x4; mla_narrow_fp8_sm90.cuh): the row's largest
+// value is brought under 2^8 instead, and the latent part stays T (times a power of two: exact in
+// bf16; in fp16 but for values 2^-24 below the row's largest).
+template <typename T, bool kSplit = false, typename RowChunkAddr>
 __device__ __forceinline__ void narrow_prepare_queries_fp8(RowChunkAddr chunk, int warp, int lane, float rope_factor,
                                                            float (&row_scale)[2]) {
 #pragma unroll
@@ -174,14 +179,41 @@ __device__ __forceinline__ void narrow_prepare_queries_fp8(RowChunkAddr chunk, i
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    const int k = fp8_query_exponent(amax);
+    const int k = fp8_query_exponent<kSplit ? 8 : 15>(amax);
     const float factor = exp2_int(k);
     row_scale[rr] = exp2_int(-k);
+    // The split saturates (its cvt is satfinite): a row holding an infinity (or NaN) is NaN, by its scale.
+    if (kSplit && !(amax <= 3.4e38f)) row_scale[rr] = __int_as_float(0x7fc00000);
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
       const int c = lane + 32 * i;
       if (c >= kChunksPerKey) break;
-      st_shared_v4(chunk(r, c), scale_query_chunk<T>(v[i], c < 64 ? factor : factor * rope_factor, c >= 64));
+      st_shared_v4(chunk(r, c), scale_query_chunk<T>(v[i], c < 64 ? factor : factor * rope_factor, kSplit || c >= 64));
+    }
+  }
+}
+
+// Four query values (x, of T, scaled under 2^8 by narrow_prepare_queries_fp8) as TERMS words of four
+// e4m3 bytes each, x = sum_t term_t 16^-t: each term is the previous remainder times 16, rounded to
+// e4m3, so a term holds four more significant bits of x. A bf16 value (8 bits) is exact in two terms
+// and an fp16 value (11 bits) in three, down to 2^-6 (terms below that are subnormal: an error under
+// 2^-14 of the row's largest value, which is at least 2^7). The latent MMAs (wgmma e4m3 x e4m3) then
+// read the raw key bytes as they landed: no conversion of keys at all. The cvt saturates (the only
+// e4m3 cvt in hardware; finite values under 2^8 cannot overflow): a NaN stays NaN, an infinity does
+// not, so narrow_prepare_queries_fp8 makes a non-finite row's scale NaN.
+template <typename T, int TERMS>
+__device__ __forceinline__ void split_e4m3x4(uint2 x, uint32_t (&term)[TERMS]) {
+  float2 a = unpack2<T>(x.x), b = unpack2<T>(x.y);
+#pragma unroll
+  for (int t = 0; t < TERMS; ++t) {
+    const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(a, __NV_SATFINITE, __NV_E4M3);
+    const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(b, __NV_SATFINITE, __NV_E4M3);
+    term[t] = (uint32_t)lo | ((uint32_t)hi << 16);
+    if (t + 1 < TERMS) {
+      const float2 ra = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(lo, __NV_E4M3)));
+      const float2 rb = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(hi, __NV_E4M3)));
+      a = make_float2((a.x - ra.x) * 16.f, (a.y - ra.y) * 16.f);  // exact: the remainder has few bits
+      b = make_float2((b.x - rb.x) * 16.f, (b.y - rb.y) * 16.f);
     }
   }
 }

@@ -317,6 +317,36 @@ __device__ __forceinline__ void wgmma_64x16_rs(float (&d)[8], const uint32_t (&a
                   "1, 1, 0", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 #endif
 }
+// S^T += K Q^T over one k32 step of an e4m3 ckv (mla_narrow_fp8_sm90.cuh): D 64 keys x N (the e4m3
+// terms of the 16 query rows, N / 16 of them), A (64 keys x 32 dims) and B (N x 32) K-major e4m3 in
+// shared memory, raw as they landed.
+#define JAX_MLA_D24() JAX_MLA_D16(), JAX_MLA_F8(16)
+#define JAX_MLA_R24 JAX_MLA_R16 ", %16, %17, %18, %19, %20, %21, %22, %23"
+template <int N>
+__device__ __forceinline__ void wgmma_64xN_ss_e4m3(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                                   int accumulate) {
+  static_assert(N == 32 || N == 48, "two or three terms of 16 rows");
+#ifdef JAX_MLA_HAS_WGMMA
+  if constexpr (N == 32) {
+    JAX_MLA_WGMMA("e4m3", "m64n32k32", JAX_MLA_R16, JAX_MLA_D16, "%16, %17", "%18", "1, 1", "l"(desc_a),
+                  "l"(desc_b), "r"(accumulate));
+  } else {
+    JAX_MLA_WGMMA("e4m3", "m64n48k32", JAX_MLA_R24, JAX_MLA_D24, "%24, %25", "%26", "1, 1", "l"(desc_a),
+                  "l"(desc_b), "r"(accumulate));
+  }
+#endif
+}
+#undef JAX_MLA_R24
+#undef JAX_MLA_D24
+// The rope part of the same: D 64 keys x 16 rows, A (kpe, 64 keys x 16) and B (q_pe, 16 x 16) K-major
+// in shared memory.
+template <typename T>
+__device__ __forceinline__ void wgmma_64x16_ss(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#ifdef JAX_MLA_HAS_WGMMA
+  JAX_MLA_WGMMA_T("m64n16k16", "%0, %1, %2, %3, %4, %5, %6, %7", JAX_MLA_D8, "%8, %9", "%10", "1, 1, 0, 0",
+                  "l"(desc_a), "l"(desc_b), "r"(accumulate))
+#endif
+}
 #undef JAX_MLA_D8
 #undef JAX_MLA_WGMMA_T
 #undef JAX_MLA_R128

@@ -1,40 +1,43 @@
 // The narrow body (units of at most 16 query rows) for an e4m3 ckv on sm_90a: both products
-// transposed, so that the keys are wgmma's register operand and are converted in registers.
+// transposed, so that the keys are wgmma's M: S^T multiplies the raw e4m3 keys by the queries split
+// into e4m3 terms (no key conversion at all), O^T takes V^T in registers, converted.
 //
 // Status: an experiment, built only with -DJAX_MLA_NARROW_FP8_WGMMA (the sm90 kernel otherwise runs
-// the mma.sync body). It is correct on every driver case (tools/sanitize_harness, errors equal to the
-// mma.sync body's) and memcheck / synccheck clean, and its attention kernel alone is faster (128 x
-// 4096 x 16 heads 105.8 against 107.7 us, 256 x U[1, 8192] 206.5 against 217.6), but the op is not:
-// after the merge kernel of the previous call the attention runs ~15 us slower than alone (the
-// mma.sync body ~6), so the op took 121.2 against 114.7 us. racecheck also reports hazards between
-// accesses that named barriers order (after the kernel's third warpgroup has exited). Both are open;
-// ffi/cuda/NOTES.md, "A transposed wgmma narrow body for fp8", has the numbers.
+// the mma.sync body). Through the standalone driver (tools/sanitize_harness) it is correct on every
+// case (errors as the mma.sync body's) and memcheck / synccheck clean on the fp8 cases, and faster
+// where units are long: op 106.9 against 115.1 us at 128 x 4096 x 16 heads, 186.0 against 214.2 at
+// 256 x U[1, 8192]; but 50.8 against 44.0 at 1 x 131072, whose 1024-key units pay a cold start after
+// the merge kernel (the attention alone: 30.9 against 33.7). Not yet run through the GPU tests;
+// racecheck reports hazards in the epilogue's exchange (ordered by named barriers, after the
+// kernel's third warpgroup has exited). ffi/cuda/NOTES.md, "S on e4m3 wgmma", has the numbers.
 //
 // Why. The mma.sync narrow body with an fp8 ckv (mla_narrow_kernel.cuh, "fp8 in registers") is
-// bound by its own latency at ~1.75 us a 64-key block even with the keys in L2: eight warps run its
-// steps in lock step between three block barriers, so the conversions, the MMAs, the partial
-// scores' exchange and the softmax add up (ffi/cuda/NOTES.md). fp8 at 1.7x of bf16 needs ~1.35 us.
+// bound by its own instruction stream: eight warps run its steps in lock step between three block
+// barriers, and each converts every key it multiplies, twice (S and P V). fp8 at 1.7x of bf16
+// needs ~1.35 us a 64-key block per SM.
 //
-// What. wgmma needs M = 64 and takes A from registers, B only from shared memory. With 16 query
-// rows the keys are the 64 of M:
-//   * S^T = K Q^T: A = a 64-key block's latent rows, ldmatrix'd raw and converted in registers
-//     (one cvt a pair, exact, fp16); B = the queries, K-major, stored once per unit with each
-//     16-dim step's dims in the order a converted word holds them (dims 4t .. 4t+3 of one key as
-//     k-slots 2t, 2t+1, 2t+8, 2t+9). The rope part: A = kpe rows (the query type), B = q_pe.
-//   * O^T = V^T P^T: A = the same raw rows through ldmatrix.trans and a byte permute (a register
-//     holds two consecutive keys of one dim); B = P, 16 rows x 64 keys, K-major, written by the
-//     softmax with stmatrix.trans. Warp w of the warpgroup holds dims 64 j + 16 w + {2g, 2g + 1}
-//     of every output tile j (8 tiles of 64 dims x 16 rows, 64 floats a thread).
+// What. wgmma needs M = 64; with 16 query rows the keys are the 64 of M:
+//   * A stage is five 128-byte-swizzled panels of 64 keys (NarrowFp8Sm90): four of e4m3 latent,
+//     one of kpe, the canonical K-major layout, gathered by cp.async.
+//   * S^T = K Q^T on e4m3 wgmma, A and B from shared memory: A = the latent panels as they landed,
+//     B = the queries' e4m3 terms (split_e4m3x4: two terms hold a bf16 query exactly, three an fp16
+//     one), N = 16 rows x terms; each 128-dim panel is a fresh accumulator added in float32 (the
+//     e4m3 wgmma's running sum keeps ~14 bits). The rope part: kpe x q_pe in the query type.
+//   * O^T = V^T P^T: A = the raw rows through ldmatrix.trans, a byte permute and one cvt a pair (a
+//     register holds two consecutive keys of one dim; fp8 wgmma takes K-major operands only, and V^T
+//     is not); B = P, 16 rows x 64 keys, K-major, written by the softmax with stmatrix.trans. Warp w
+//     of the warpgroup holds dims 64 j + 16 w + {2g, 2g + 1} of every output tile j (8 tiles of 64
+//     dims x 16 rows, 64 floats a thread).
 //   * The two warpgroups are two independent pipelines over the unit's even and odd blocks, each
 //     with its own two stages, cp.async gathers, page-id ring, running max and sum and O, and its
-//     own named barriers (four a block): one warpgroup's softmax and exchanges overlap the other's
-//     conversions and MMAs. Their halves meet once, in the epilogue.
+//     own named barriers: one warpgroup's softmax and exchanges overlap the other's conversions and
+//     MMAs. Their halves meet once, in the epilogue.
 // The row maxima cross the warpgroup's four warps through shared memory once a block (each warp
 // holds 16 keys of every row); the row sums stay per thread until the epilogue.
 //
-// Scales and precision are the mma.sync fp8 body's: latent MMAs in fp16 with the queries brought
-// into fp16 by a power of two per row (narrow_prepare_queries_fp8), rope MMAs in the query type, P
-// in fp16, s_c on the softmax scale and the output (mla_fp8.cuh).
+// Scales and precision: the queries are brought under 2^8 by a power of two per row
+// (narrow_prepare_queries_fp8), S is exact up to float32 sums of 128 products, P is fp16 and so is
+// the latent P V, s_c on the softmax scale and the output (mla_fp8.cuh).
 #pragma once
 
 #include "mla_hopper.cuh"
@@ -46,14 +49,18 @@ namespace cuda {
 struct NarrowFp8Sm90 {
   static constexpr int ROWS = 16;
   static constexpr int BK = 64;                      // keys a block: wgmma's M
-  static constexpr int ROW = kDimCkv + 2 * kDimKpe;  // a raw key row: 32 chunks of e4m3 latent, 8 of kpe
-  static constexpr int STAGE = BK * ROW;             // 40 KB
+  // A stage holds a block's keys as five panels of 64 keys x 128 bytes in the 128-byte swizzle (the
+  // canonical K-major layout wgmma reads): slabs 0-3 the e4m3 latent (128 dims each), slab 4 kpe (64
+  // dims of T). The latent slabs are S^T's A as they land, and V^T's rows for ldmatrix.trans.
+  static constexpr int SLAB = BK * 128;
+  static constexpr int STAGE = 5 * SLAB;             // 40 KB
   static constexpr int STAGES = 2;                   // per warpgroup
   static constexpr int RING = 8;                     // page-id slots per warpgroup (global block mod 8)
   static constexpr int PANEL = ROWS * 128;           // 16 rows x 64 16-bit values, 128-byte swizzle
+  static constexpr int QSLAB = 3 * PANEL;            // a latent query slab: up to 3 e4m3 terms x 16 rows x 128 dims
   static constexpr int KV_OFF = 0;                   // warpgroup w's stages at KV_OFF + w STAGES STAGE
-  static constexpr int QP_OFF = KV_OFF + 2 * STAGES * STAGE;  // 8 latent panels (fp16, permuted dims), rope panel (T)
-  static constexpr int P_OFF = QP_OFF + 9 * PANEL;            // P panels [warpgroup][block parity]
+  static constexpr int QP_OFF = KV_OFF + 2 * STAGES * STAGE;  // 4 latent query slabs (e4m3 terms), rope panel (T)
+  static constexpr int P_OFF = QP_OFF + 4 * QSLAB + PANEL;    // P panels [warpgroup][block parity]
   static constexpr int RED_OFF = P_OFF + 4 * PANEL;           // float [warpgroup][parity][warp][16]: block maxima
   static constexpr int RSCALE_OFF = RED_OFF + 2 * 2 * 4 * ROWS * 4;  // float [16]: the rows' 2^-k
   static constexpr int MSTAT_OFF = RSCALE_OFF + ROWS * 4;             // float [warpgroup][16]: final maxima
@@ -67,11 +74,15 @@ struct NarrowFp8Sm90 {
   static constexpr int STAGING_OFF = KV_OFF + 3 * STAGE;
 
   static_assert(ROWS * kNarrowRowBytes <= STAGE, "the queries are staged in one stage");
-  static_assert(2 * 16 * 128 * 4 <= 9 * PANEL, "a round of the epilogue's O exchange fits in the query panels");
-  static_assert(STAGE % 1024 == 0 && QP_OFF % 1024 == 0 && P_OFF % 1024 == 0 && PANEL % 1024 == 0,
+  static_assert(2 * 16 * 128 * 4 <= P_OFF - QP_OFF, "a round of the epilogue's O exchange fits in the query panels");
+  static_assert(SLAB % 1024 == 0 && QP_OFF % 1024 == 0 && P_OFF % 1024 == 0 && PANEL % 1024 == 0,
                 "swizzle atoms stay aligned");
-  static_assert(ROW % 128 == 0, "the swizzle spreads eight rows over all banks");
 };
+
+// Shared address of raw chunk cc (0-31 latent, 32-39 kpe) of key kl in a stage (NarrowFp8Sm90's slabs).
+__device__ __forceinline__ uint32_t fp8_slab_chunk(uint32_t stage, int kl, int cc) {
+  return stage + (cc >> 3) * NarrowFp8Sm90::SLAB + kl * 128 + (((cc & 7) ^ (kl & 7)) << 4);
+}
 
 // Query row (column of S^T and O^T) of accumulator element e of a 64 x 16 tile: R[acc_row(e)] with
 // R = {2t, 2t + 1, 8 + 2t, 9 + 2t}; its M-row (key, or dim) is g + 8 ((e >> 1) & 1) of the warp's 16.
@@ -98,6 +109,7 @@ template <typename T>
 __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Unit u, int h0, int hb, char* smem) {
   using N = NarrowFp8Sm90;
   constexpr int kCache = kCacheFp8Ckv;
+  constexpr int QTERMS = std::is_same_v<T, __half> ? 3 : 2;  // split_e4m3x4: exact for the query type
   constexpr int C0 = CacheFormat<kCache>::kRaw;  // gather_key_row's first raw chunk: chunk c is c - C0 here
   const int tid = threadIdx.x;
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform, as wgmma needs
@@ -135,7 +147,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     const uint32_t stage = s_kv + (i & 1) * N::STAGE;
     gather_key_block<kCache, N::BK, N::RING, N::BK / 16, 16>(
         p, u, ring, key_ok, kv_begin, 2 * i + wg, i & 1, wtid,
-        [&](int kl, int c) { return stage + swz<N::ROW>(kl, c - C0); });  // the narrow body's swizzle
+        [&](int kl, int c) { return fp8_slab_chunk(stage, kl, c - C0); });
   };
 
   // ---- prologue (both warpgroups): page ids of local blocks 0-2, the queries, block 0 ----
@@ -156,27 +168,34 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
   named_barrier_sync(kBothWarpgroups, 256);
   {
     float rs2[2];
-    narrow_prepare_queries_fp8<T>([&](int r, int c) { return s_q + swz(r, c); }, tid >> 5, lane, scales.rope_query,
-                                  rs2);
+    narrow_prepare_queries_fp8<T, true>([&](int r, int c) { return s_q + swz(r, c); }, tid >> 5, lane,
+                                        scales.rope_query, rs2);
     if (lane == 0) {
       rscale[2 * (tid >> 5)] = rs2[0];
       rscale[2 * (tid >> 5) + 1] = rs2[1];
     }
   }
   named_barrier_sync(kBothWarpgroups, 256);
-  // The queries into their panels: each 16-dim latent step as its two chunks of k-slots (dim pairs
-  // 0, 2, 4, 6, then 1, 3, 5, 7 of the step: the order of a converted key word), the rope as is.
+  // The queries into their panels: latent dims 16 s .. 16 s + 15 of row r as one 16-byte chunk of e4m3
+  // per term (term t is row 16 t + r of slab s / 8), the rope as is.
   for (int idx = tid; idx < N::ROWS * 40; idx += kThreads) {
     const int r = idx / 40, s = idx - r * 40;
     if (s < 32) {
       const uint4 a = ld_shared_v4(s_q + swz(r, 2 * s)), b = ld_shared_v4(s_q + swz(r, 2 * s + 1));
-      const uint32_t row = base + N::QP_OFF + (s >> 2) * N::PANEL + r * 128;
-      const int c = 2 * (s & 3);
-      st_shared_v4(row + ((c ^ (r & 7)) << 4), make_uint4(a.x, a.z, b.x, b.z));
-      st_shared_v4(row + (((c + 1) ^ (r & 7)) << 4), make_uint4(a.y, a.w, b.y, b.w));
+      uint32_t w[4][QTERMS];
+      split_e4m3x4<T, QTERMS>(make_uint2(a.x, a.y), w[0]);
+      split_e4m3x4<T, QTERMS>(make_uint2(a.z, a.w), w[1]);
+      split_e4m3x4<T, QTERMS>(make_uint2(b.x, b.y), w[2]);
+      split_e4m3x4<T, QTERMS>(make_uint2(b.z, b.w), w[3]);
+#pragma unroll
+      for (int t = 0; t < QTERMS; ++t) {
+        const int n = 16 * t + r;
+        st_shared_v4(base + N::QP_OFF + (s >> 3) * N::QSLAB + n * 128 + (((s & 7) ^ (n & 7)) << 4),
+                     make_uint4(w[0][t], w[1][t], w[2][t], w[3][t]));
+      }
     } else {
       const int c = s - 32;
-      st_shared_v4(base + N::QP_OFF + 8 * N::PANEL + r * 128 + ((c ^ (r & 7)) << 4),
+      st_shared_v4(base + N::QP_OFF + 4 * N::QSLAB + r * 128 + ((c ^ (r & 7)) << 4),
                    ld_shared_v4(s_q + swz(r, 64 + c)));
     }
   }
@@ -201,71 +220,75 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     for (int e = 0; e < 8; ++e) o[j][e] = 0.f;
   const uint32_t q_lo = sw128_desc_lo(base + N::QP_OFF);
   // ldmatrix addresses: lanes 0-7 keys 0-7, lanes 8-15 keys 8-15 (of 16), lanes 16-31 the same keys
-  // one chunk on; every row's swizzle term is lane & 7.
-  const int k8 = (lane & 7) + ((lane >> 3) & 1) * 8, hi = lane >> 4, sw = lane & 7;
-  uint32_t fa[2][8][4];  // A fragments, two windows of eight k16 steps (one in flight while one fills)
+  // one chunk on.
+  const int k8 = (lane & 7) + ((lane >> 3) & 1) * 8, hi = lane >> 4;
+  uint32_t fa[2][8][4];  // P V's A fragments, two windows of eight k16 steps (one in flight while one fills)
 
 #pragma unroll 1
   for (int i = 0; i < my_blocks; ++i) {
     const int blk = 2 * i + wg;
-    // Every warp is done with block i - 1's stage and P: block i + 1 goes into that stage now, before
-    // block i has landed, so that two blocks are in flight while block i waits (a gather issued only
-    // once the previous one had landed kept one in flight: latency-bound when L2 was cold).
+    // Block i landed (this thread's copies, then a proxy fence: wgmma reads the stage) and every warp
+    // is done with block i - 1's stage and P; block i + 1 goes into that stage now. Issued after the
+    // fence (whether a proxy fence waits for later copies is not documented), so one block is in
+    // flight per warpgroup while the other computes. Issued before the wait (two in flight) measured
+    // the same, but only while a slow prologue hid it (ffi/cuda/NOTES.md, 2026-12-03, tenth session).
+    cp_async_wait<0>();
+    fence_proxy_async_shared();
     named_barrier_sync(bar, 128);
     if (i + 1 < my_blocks) issue_block(i + 1);
     fetch_pages(i + 3);
     cp_async_commit();
-    cp_async_wait<1>();
-    named_barrier_sync(bar, 128);  // block i landed for the whole warpgroup
     const int stage = i & 1;
     const int key0 = kv_begin + blk * N::BK;
 
-    // ---- S^T = K Q^T: four windows of eight latent steps (fp16), then the rope's four (T) ----
-    float s[8];
-#pragma unroll
-    for (int e = 0; e < 8; ++e) s[e] = 0.f;
-    const uint32_t k_row = s_kv + stage * N::STAGE + (16 * warp + k8) * N::ROW;
-    // Two trips of two windows of eight latent steps (one window's registers fill while the other's
-    // wgmmas run), then the rope's four steps; every trip ends with its wgmmas done, so nothing is in
-    // flight across a back edge (C7514). Looped rather than unrolled: the instruction footprint.
-#pragma unroll 1
-    for (int qq = 0; qq < 2; ++qq) {
-#pragma unroll
-      for (int w2 = 0; w2 < 2; ++w2) {
-        uint32_t(&a)[8][4] = fa[w2];
-        const int q = 2 * qq + w2;
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {  // steps 8q + 2jj and + 1: chunks of keys g, g + 8
-          uint32_t kb[4];
-          ldmatrix_x4(kb, k_row + (((8 * q + 2 * jj + hi) ^ sw) << 4));
-          transposed_a_fragments<true>(a[2 * jj], a[2 * jj + 1], fp8x4_to_half2x2(kb[0]), fp8x4_to_half2x2(kb[1]),
-                                       fp8x4_to_half2x2(kb[2]), fp8x4_to_half2x2(kb[3]));
-        }
-        wgmma_fence();
-        const uint32_t q_step = q_lo + ((2 * q * N::PANEL) >> 4);  // steps 8q .. 8q + 7: panels 2q, 2q + 1
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          wgmma_64x16_rs<__half>(s, a[j], sw128_desc_at(q_step, (j >> 2) * N::PANEL + (j & 3) * 32), q + j > 0);
-        wgmma_commit();
-      }
-      wgmma_wait<0>();
-      fence_registers(s);
-      fence_fragments(fa[0]);
-      fence_fragments(fa[1]);
-    }
+    // ---- S^T = K Q^T: the rope (T), then the raw e4m3 latent times the queries' e4m3 terms ----
+    // Hopper's e4m3 wgmma keeps only ~14 bits of its running sum (DeepSeek-V3's technical report;
+    // one chain over all 512 dims put an LSE off by 2.25e-3 where the mma.sync body's is 2.5e-4), so
+    // each 128-dim slab starts a fresh accumulator and is added into s in float32, two slabs in
+    // flight (sa, sb) while the previous one is added.
+    const uint32_t stage_base = s_kv + stage * N::STAGE;
+    float s[8], sa[8 * QTERMS], sb[8 * QTERMS];
     {
-      uint32_t(&a)[8][4] = fa[0];
+      const uint32_t k_lo = sw128_desc_lo(stage_base);
+      auto slab = [&](float(&d)[8 * QTERMS], int j) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) ldmatrix_x4(a[r], k_row + (((32 + 2 * r + hi) ^ sw) << 4));
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_64xN_ss_e4m3<16 * QTERMS>(d, sw128_desc_at(k_lo, j * N::SLAB + kk * 32),
+                                          sw128_desc_at(q_lo, j * N::QSLAB + kk * 32), kk > 0);
+        wgmma_commit();
+      };
+      // Column n of a slab's tile is term n / 16 of query row n % 16: this thread's register 8 (n / 16) on.
+      auto add = [&](float(&d)[8 * QTERMS]) {
+        fence_registers(d);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          float x = d[e] + d[8 + e] * (1.f / 16.f);
+          if constexpr (QTERMS == 3) x += d[16 + e] * (1.f / 256.f);
+          s[e] += x;
+        }
+      };
       wgmma_fence();
 #pragma unroll
-      for (int r = 0; r < 4; ++r) wgmma_64x16_rs<T>(s, a[r], sw128_desc_at(q_lo, 8 * N::PANEL + r * 32), 1);
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_64x16_ss<T>(s, sw128_desc_at(k_lo, 4 * N::SLAB + kk * 32), sw128_desc_at(q_lo, 4 * N::QSLAB + kk * 32),
+                          kk > 0);
       wgmma_commit();
+      slab(sa, 0);
+      slab(sb, 1);
+      wgmma_wait<1>();  // the rope and slab 0
+      fence_registers(s);
+      add(sa);
+      wgmma_fence();
+      slab(sa, 2);
+      wgmma_wait<1>();  // slab 1
+      add(sb);
+      wgmma_fence();
+      slab(sb, 3);
+      wgmma_wait<1>();  // slab 2
+      add(sa);
+      wgmma_wait<0>();  // slab 3
+      add(sb);
     }
-    wgmma_wait<0>();
-    fence_registers(s);
-    fence_fragments(fa[0]);
-    fence_fragments(fa[1]);
 
     // ---- softmax (base 2): the block's row maxima across the four warps ----
     const unsigned char* ok = key_ok + stage * N::BK + 16 * warp + g;
@@ -323,7 +346,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
 
     // ---- O^T += V^T P^T: per 16 keys, tiles 2jp and 2jp + 1 from one ldmatrix.trans ----
     const uint32_t p_lo = sw128_desc_lo(p_panel);
-    const uint32_t v_row = s_kv + stage * N::STAGE + k8 * N::ROW;
+
 #pragma unroll 1
     for (int kp = 0; kp < 2; ++kp) {
 #pragma unroll
@@ -333,7 +356,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
 #pragma unroll
         for (int jp = 0; jp < 4; ++jp) {
           uint32_t vb[4];
-          ldmatrix_x4_trans(vb, v_row + ks * 16 * N::ROW + (((4 * (2 * jp + hi) + warp) ^ sw) << 4));
+          ldmatrix_x4_trans(vb, fp8_slab_chunk(stage_base, 16 * ks + k8, 4 * (2 * jp + hi) + warp));
           // vb[0]: keys 0-7 of the step, vb[1]: keys 8-15 (tile 2jp); vb[2], vb[3] the same of tile 2jp + 1.
           transposed_a_fragments<false>(a[2 * jp], a[2 * jp + 1], fp8x4_trans_to_half2x2(vb[0]),
                                         fp8x4_trans_to_half2x2(vb[1]), fp8x4_trans_to_half2x2(vb[2]),

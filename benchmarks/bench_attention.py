@@ -60,7 +60,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_mla import PlanTarget, default_target, mla_paged_attention, plan_mla  # noqa: E402
+from jax_mla import PlanTarget, build_info, default_target, mla_paged_attention, plan_mla  # noqa: E402
 from jax_mla import fp8_scale, mla_paged_attention_reference, quantize_fp8  # noqa: E402
 from jax_mla.arg_specs import Uniform, arg_specs  # noqa: E402
 
@@ -669,6 +669,8 @@ def main():
                 matmul_TFLOPs=peak / 1e12 if peak else None, default_target=str(default_target()),
                 flashinfer=peers["fa3"].version if "fa3" in peers else None,
                 flashmla=peers["flashmla"].version if "flashmla" in peers else None,
+                # which CUDA bodies the library holds (an experimental one, when built with it)
+                cuda_bodies=build_info().get("cuda", {}).get("bodies"),
                 command="python3 benchmarks/bench_attention.py " + " ".join(sys.argv[1:]),
                 method="ours_us: jit of K calls in an XLA command buffer under jax.profiler, device span of each "
                        "chain (first kernel start to last kernel end, CUPTI) / K, median of 7 (ours_timing says "

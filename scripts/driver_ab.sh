@@ -16,7 +16,8 @@
 # TIMING_L2=1: also time every shape with its page ids drawn from 32 pages (TAG-L2/...), the keys in L2:
 # how fast the body runs when the copy is free.
 # TRACE_CASES="wide/time1_128x4096_h128_ps64 ...": also build every variant that passed with -DJAX_MLA_TRACE,
-# time those cases once more and print the 64-key body's timeline (tools/trace_report.py).
+# time those cases once more and print the body's timeline (tools/trace_report.py; after another attention
+# launch, and after an op's merge kernel: CASE@merge), with TRACE_ARGS (e.g. "--first 4 --pairs 1 6").
 # BLOCK_TRACE=1: also build every variant with -DJAX_MLA_BLOCK_TRACE, run every timed case once more and
 # print where each block ran (tools/block_trace_report.py).
 set -u
@@ -128,7 +129,7 @@ for name in $passed; do
     log="$LOGS/trace_${name}_${c//\//_}"
     timeout 120 "/tmp/driver_ab_trace_$name" --time "/tmp/driver_ab_time/$c.bin" > "$log.log" 2>&1
     echo "== timeline of $name on $c"
-    python3 tools/trace_report.py "$log.log" | tee "${log}_report.txt"
+    python3 tools/trace_report.py "$log.log" ${TRACE_ARGS:-} | tee "${log}_report.txt"
   done
   if [ -n "${BLOCK_TRACE:-}" ]; then
     [ -x "/tmp/driver_ab_bt_$name" ] || { echo "$name: no block-trace build"; continue; }

@@ -70,14 +70,39 @@ def test_trace_report_periods_and_intervals():
         stamps = [top + 10 * i for i in range(11)] + [top + 200]
         lines.append(f"trace c slot 2 row {n + 1}: " + " ".join(map(str, stamps)))
     rows, timers = tr.read(lines)
-    assert timers[("c", 2)] == (5000, 9000)
+    assert timers[("c", 2)] == (5000, 9000, 1)  # no body id: an older driver's wide body
     out = tr.report(rows, timers, 0, 3)
     assert out[0].startswith("c slot 2 (block 0, WG1, warp 0): start 0 queries issued 40")
     assert out[0].endswith("| 4000 ns")
-    assert "pair period 1000 cycles (median over pairs 0..1)" in out[1]
+    assert "pair period 1000 cycles (median over trips 0..1)" in out[1]
     assert out[2].split() == ["top", "->", "m_A", "received", "10"]
     assert out[-2].split()[-1] == "100"  # A 4-8 refilled -> S issued: 10; S issued -> S done: 100
     assert out[-1].split()[-1] == "800"  # S done -> next top
+
+
+def test_trace_report_narrow_fp8_body_and_first_trips():
+    tr = _tool("trace_report")
+    # The opt-in fp8 narrow body (body 2) in slot 0, after a merge; slot 4 (a block that did not exist)
+    # was never written: body 0, skipped. Trips 500 cycles apart, marks 20 * i after the top.
+    lines = ["trace c@merge slot 0 globaltimer 100 2100 body 2",
+             "trace c@merge slot 0 row 0: 0 30 60 90 1900 1950 -1 -1 -1",
+             "trace c@merge slot 4 globaltimer 0 0 body 0",
+             "trace c@merge slot 4 row 0: 0 0 0 0 0 0 0 0 0"]
+    for n in range(4):
+        top = 200 + 500 * n
+        lines.append(f"trace c@merge slot 4 row {n + 1}: 0 0 0 0 0 0")
+        lines.append(f"trace c@merge slot 0 row {n + 1}: " + " ".join(str(top + 20 * i) for i in range(6)))
+    rows, timers = tr.read(lines)
+    assert timers[("c@merge", 0)] == (100, 2100, 2)
+    out = tr.report(rows, timers, 1, 3, first=2)
+    assert out[0] == ("c@merge slot 0 (block 0, WG0, warp 0): start 0 page ids landed 30 queries landed 60 "
+                      "panels built 90 loop end 1900 stored 1950 | 2000 ns")
+    assert out[1] == "   trip 0: top 200 block landed 220 S done 240 maxima shared 260 P in panel 280 P V done 300"
+    assert out[2].startswith("   trip 1: top 700 ")
+    assert "trip period 500 cycles (median over trips 1..2)" in out[3]
+    assert out[4].split() == ["top", "->", "block", "landed", "20"]
+    assert out[-1].split()[-1] == "400"  # P V done -> next top
+    assert not any("slot 4" in line for line in out)
 
 
 def test_block_trace_report_span_tail_and_cost_fit():

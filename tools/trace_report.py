@@ -1,4 +1,4 @@
-"""Reads the timeline of the 64-key wide body that a JAX_MLA_TRACE driver prints.
+"""Reads the timeline of a body (the 64-key wide body, the opt-in fp8 narrow body) that a JAX_MLA_TRACE driver prints.
 
 Build the standalone driver with the trace and time one case (on the GPU machine):
 
@@ -9,10 +9,13 @@ Build the standalone driver with the trace and time one case (on the GPU machine
 or let `TRACE_CASES="wide/time1_128x4096_h128_ps64" bash scripts/driver_ab.sh` do all three for every variant.
 
 The driver prints, for each traced warp (lane 0 of warps 0 and 3 of each warpgroup, in two
-blocks), clock64 stamps at fixed points of the body (ffi/cuda/mla_wide64_sm90.cuh,
-WIDE64_TRACE): row 0 is the prologue and the epilogue, row 1 + n pair n of the loop. This prints
-the prologue's and epilogue's marks and, over the pairs asked for, the pair period and the median
-cycles between consecutive marks: where a warp waits, and for what.
+blocks), clock64 stamps at fixed points of the body (ffi/cuda/mla_common.cuh, JAX_MLA_TRACE_AT):
+row 0 is the prologue and the epilogue, row 1 + n trip n of the loop (a pair of blocks in the
+wide body, a warpgroup's block in the narrow one); it does so for a launch after another attention
+launch (CASE) and for one after an op's merge kernel (CASE@merge). This prints the prologue's and
+epilogue's marks and, over the trips asked for, the period and the median cycles between
+consecutive marks: where a warp waits, and for what. --first N also prints the first N trips' marks
+from the warp's start (a cold start shows there).
 """
 
 from __future__ import annotations
@@ -29,22 +32,27 @@ PAIR_MARKS = {
     1: ["top", "m_A received", "m_B signalled", "P_B signalled", "PV_B issued", "P_A received", "PV_B done",
         "B 4-8 refilled", "PV_A done", "A 4-8 refilled", "S issued", "S done"],
 }
-# Row 0's marks in the order the driver prints them (events 0-5, then 8-11; 6-7 are globaltimer).
+# Row 0's marks in the order the driver prints them (events 0-5, then 8-10; 6-7 are globaltimer).
 PROLOGUE_MARKS = ["start", "queries issued", "queries landed", "first S done", "loop end", "stored", "set up",
                   "page ids issued"]
+# The opt-in fp8 narrow body (ffi/cuda/mla_narrow_fp8_sm90.cuh): the same for every warp.
+NARROW_FP8_MARKS = ["top", "block landed", "S done", "maxima shared", "P in panel", "P V done"]
+NARROW_FP8_PROLOGUE = ["start", "page ids landed", "queries landed", "panels built", "loop end", "stored"]
+BODY_WIDE64, BODY_NARROW_FP8 = 1, 2  # row 0's event 11 (mla_common.cuh: kTraceWide64, kTraceNarrowFp8)
 
 LINE = re.compile(r"trace (\S+) slot (\d+) row (\d+): (.*)")
-TIMER = re.compile(r"trace (\S+) slot (\d+) globaltimer (-?\d+) (-?\d+)")
+TIMER = re.compile(r"trace (\S+) slot (\d+) globaltimer (-?\d+) (-?\d+)(?: body (-?\d+))?")
 
 
 def read(lines):
-    """{(case, slot): {row: [stamps]}} and {(case, slot): (start ns, end ns)}."""
+    """{(case, slot): {row: [stamps]}} and {(case, slot): (start ns, end ns, body)}."""
     rows, timers = collections.defaultdict(dict), {}
     for line in lines:
         if m := LINE.match(line):
             rows[(m.group(1), int(m.group(2)))][int(m.group(3))] = [int(x) for x in m.group(4).split()]
         elif m := TIMER.match(line):
-            timers[(m.group(1), int(m.group(2)))] = (int(m.group(3)), int(m.group(4)))
+            body = int(m.group(5)) if m.group(5) is not None else BODY_WIDE64  # (older drivers: wide only)
+            timers[(m.group(1), int(m.group(2)))] = (int(m.group(3)), int(m.group(4)), body)
     return rows, timers
 
 
@@ -52,20 +60,26 @@ def slot_name(slot: int) -> str:
     return f"block {'0' if slot < 4 else 'B'}, WG{(slot // 2) % 2}, warp {3 if slot % 2 else 0}"
 
 
-def report(rows, timers, first_pair: int, last_pair: int) -> list[str]:
+def report(rows, timers, first_pair: int, last_pair: int, first: int = 0) -> list[str]:
     out = []
     for (case, slot), r in sorted(rows.items()):
-        marks = PAIR_MARKS[(slot // 2) % 2]
-        pro = dict(zip(PROLOGUE_MARKS, r.get(0, [])))
-        start, end = timers.get((case, slot), (0, 0))
+        start, end, body = timers.get((case, slot), (0, 0, BODY_WIDE64))
+        if body not in (BODY_WIDE64, BODY_NARROW_FP8):
+            continue  # a slot no traced body wrote (e.g. a block that does not exist)
+        narrow = body == BODY_NARROW_FP8
+        marks = NARROW_FP8_MARKS if narrow else PAIR_MARKS[(slot // 2) % 2]
+        pro = dict(zip(NARROW_FP8_PROLOGUE if narrow else PROLOGUE_MARKS, r.get(0, [])))
         out.append(f"{case} slot {slot} ({slot_name(slot)}): "
                    + " ".join(f"{k} {v}" for k, v in pro.items()) + f" | {end - start} ns")
+        for n in range(first):
+            if n + 1 in r and r[n + 1][0] > 0:
+                out.append(f"   trip {n}: " + " ".join(f"{k} {v}" for k, v in zip(marks, r[n + 1])))
         pairs = [n for n in range(first_pair, last_pair)
                  if n + 1 in r and n + 2 in r and r[n + 1][0] > 0 and r[n + 2][0] > 0]
         if not pairs:
             continue
         period = statistics.median(r[n + 2][0] - r[n + 1][0] for n in pairs)
-        out.append(f"   pair period {period:.0f} cycles (median over pairs {pairs[0]}..{pairs[-1]})")
+        out.append(f"   {'trip' if narrow else 'pair'} period {period:.0f} cycles (median over trips {pairs[0]}..{pairs[-1]})")
         for i in range(1, len(marks)):
             d = statistics.median(r[n + 1][i] - r[n + 1][i - 1] for n in pairs)
             out.append(f"   {marks[i - 1]:>22} -> {marks[i]:<22} {d:7.0f}")
@@ -78,11 +92,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("log")
     ap.add_argument("--pairs", nargs=2, type=int, default=(4, 28), metavar=("FIRST", "LAST"),
-                    help="pairs whose intervals are summarised (steady state: past the first few)")
+                    help="trips (pairs) whose intervals are summarised (steady state: past the first few)")
+    ap.add_argument("--first", type=int, default=0, metavar="N",
+                    help="also print the first N trips' marks, in cycles from the warp's start")
     args = ap.parse_args()
     with open(args.log) as f:
         rows, timers = read(f)
-    print("\n".join(report(rows, timers, *args.pairs)))
+    print("\n".join(report(rows, timers, *args.pairs, first=args.first)))
 
 
 if __name__ == "__main__":

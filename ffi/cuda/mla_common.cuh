@@ -216,8 +216,7 @@ __device__ __forceinline__ bool merge_row_ok(const Problem& p, const MergeRow& m
 
 // ---- PTX wrappers ------------------------------------------------------------
 
-// The GPU's nanosecond clock (the diagnosis timelines: JAX_MLA_BLOCK_TRACE below, JAX_MLA_TRACE in
-// mla_wide64_sm90.cuh).
+// The GPU's nanosecond clock (the diagnosis timelines: JAX_MLA_BLOCK_TRACE and JAX_MLA_TRACE below).
 __device__ __forceinline__ unsigned long long globaltimer_ns() {
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
@@ -388,6 +387,44 @@ struct BlockTraceScope {
 #define JAX_MLA_BLOCK_TRACE_SCOPE(kind) const BlockTraceScope block_trace_scope(kind)
 #else
 #define JAX_MLA_BLOCK_TRACE_SCOPE(kind) static_cast<void>(0)
+#endif
+
+// A timeline of one body for diagnosis (standalone driver builds with -DJAX_MLA_TRACE only; nothing
+// otherwise; tools/trace_report.py reads what the driver prints): clock64 stamps of lane 0 of warps 0
+// and 3 of each warpgroup (slots 2 wg + (warp == 3)) in blocks 0 and JAX_MLA_TRACE_BLOCK (slots + 4).
+// Row 0: the prologue and the epilogue, with globaltimer at the start and the end (events 6 and 7)
+// and the body's id (event 11: kTraceWide64, kTraceNarrowFp8); row 1 + n: the body's n-th trip.
+// A body declares `trace_slot` (jax_mla_trace_slot) and marks its points with JAX_MLA_TRACE_AT.
+#ifdef JAX_MLA_TRACE
+constexpr int kTraceRows = 40, kTraceEvents = 12, kTraceSlots = 8;
+constexpr int kTraceWide64 = 1, kTraceNarrowFp8 = 2;
+__device__ long long g_jax_mla_trace[kTraceSlots][kTraceRows + 1][kTraceEvents];
+__device__ __forceinline__ long long trace_clock() {
+  long long t;
+  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
+  return t;
+}
+#ifndef JAX_MLA_TRACE_BLOCK
+#define JAX_MLA_TRACE_BLOCK 200
+#endif
+// This thread's slot, or -1; a traced thread also stamps the start (event 0, globaltimer) and the body.
+__device__ __forceinline__ int jax_mla_trace_slot(int wg, int warp, int lane, int body) {
+  const bool traced = lane == 0 && (warp == 0 || warp == 3) && (blockIdx.x == 0 || blockIdx.x == JAX_MLA_TRACE_BLOCK);
+  const int slot = traced ? (blockIdx.x == 0 ? 0 : 4) + 2 * wg + (warp == 3) : -1;
+  if (slot >= 0) {
+    g_jax_mla_trace[slot][0][6] = (long long)globaltimer_ns();
+    g_jax_mla_trace[slot][0][11] = body;
+    g_jax_mla_trace[slot][0][0] = trace_clock();
+  }
+  return slot;
+}
+#define JAX_MLA_TRACE_AT(row, ev) \
+  do { if (trace_slot >= 0 && (row) <= kTraceRows) g_jax_mla_trace[trace_slot][row][ev] = trace_clock(); } while (0)
+#define JAX_MLA_TRACE_END() \
+  do { if (trace_slot >= 0) g_jax_mla_trace[trace_slot][0][7] = (long long)globaltimer_ns(); } while (0)
+#else
+#define JAX_MLA_TRACE_AT(row, ev) do { } while (0)
+#define JAX_MLA_TRACE_END() do { } while (0)
 #endif
 
 }  // namespace cuda

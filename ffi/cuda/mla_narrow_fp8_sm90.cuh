@@ -117,6 +117,10 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
   const int warp = wtid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   const int rows = u.q_len * hb;
   const int bar = 1 + wg;  // this warpgroup's named barrier
+#ifdef JAX_MLA_TRACE  // (mla_common.cuh) row 0: start, page ids, queries, panels, loop end, stored;
+  // row 1 + i: top, block i landed, S, maxima shared, P in its panel, P V done
+  const int trace_slot = jax_mla_trace_slot(wg, warp, lane, kTraceNarrowFp8);
+#endif
   // Both warpgroups: a named barrier of 256 threads (the kernel's third warpgroup has left).
   constexpr int kBothWarpgroups = 3;
 
@@ -162,10 +166,12 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
   const int my_blocks = num_blocks > wg ? (num_blocks - wg + 1) / 2 : 0;
   cp_async_wait<1>();  // the page ids
   named_barrier_sync(kBothWarpgroups, 256);
+  JAX_MLA_TRACE_AT(0, 1);
   if (my_blocks > 0) issue_block(0);
   cp_async_commit();
   cp_async_wait<1>();  // the queries (block 0 may still be in flight)
   named_barrier_sync(kBothWarpgroups, 256);
+  JAX_MLA_TRACE_AT(0, 2);
   {
     float rs2[2];
     narrow_prepare_queries_fp8<T, true>([&](int r, int c) { return s_q + swz(r, c); }, tid >> 5, lane,
@@ -201,6 +207,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
   }
   fence_proxy_async_shared();  // the panels reach wgmma's reads
   named_barrier_sync(kBothWarpgroups, 256);
+  JAX_MLA_TRACE_AT(0, 3);
 
   // ---- per thread: rows R[k] of the accumulators (S^T's and O^T's columns; acc_row) ----
   int R[4], row_limit[4];
@@ -227,6 +234,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
 #pragma unroll 1
   for (int i = 0; i < my_blocks; ++i) {
     const int blk = 2 * i + wg;
+    JAX_MLA_TRACE_AT(i + 1, 0);
     // Block i landed (this thread's copies, then a proxy fence: wgmma reads the stage) and every warp
     // is done with block i - 1's stage and P; block i + 1 goes into that stage now. Issued after the
     // fence (whether a proxy fence waits for later copies is not documented), so one block is in
@@ -235,6 +243,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     cp_async_wait<0>();
     fence_proxy_async_shared();
     named_barrier_sync(bar, 128);
+    JAX_MLA_TRACE_AT(i + 1, 1);
     if (i + 1 < my_blocks) issue_block(i + 1);
     fetch_pages(i + 3);
     cp_async_commit();
@@ -289,6 +298,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
       wgmma_wait<0>();  // slab 3
       add(sb);
     }
+    JAX_MLA_TRACE_AT(i + 1, 2);
 
     // ---- softmax (base 2): the block's row maxima across the four warps ----
     const unsigned char* ok = key_ok + stage * N::BK + 16 * warp + g;
@@ -311,6 +321,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
       for (int k = 0; k < 4; ++k) red_b[warp * N::ROWS + R[k]] = mx[k];
     }
     named_barrier_sync(bar, 128);
+    JAX_MLA_TRACE_AT(i + 1, 3);
     float alpha[4], m_use[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -343,6 +354,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[j][e] *= alpha[acc_row(e)];
     named_barrier_sync(bar, 128);  // P of every warp is in the panel
+    JAX_MLA_TRACE_AT(i + 1, 4);
 
     // ---- O^T += V^T P^T: per 16 keys, tiles 2jp and 2jp + 1 from one ldmatrix.trans ----
     const uint32_t p_lo = sw128_desc_lo(p_panel);
@@ -373,10 +385,12 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
       fence_fragments(fa[0]);
       fence_fragments(fa[1]);
     }
+    JAX_MLA_TRACE_AT(i + 1, 5);
     // Nothing stays in flight across a back edge: with P V running into the next block, ptxas
     // serialised every wgmma of the kernel (C7514: the loop's register moves read O). The other
     // warpgroup's work covers these waits.
   }
+  JAX_MLA_TRACE_AT(0, 4);
   cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
 
   // ---- epilogue: the warpgroups' sums and maxima, then O halves exchanged and combined ----
@@ -438,6 +452,8 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
                                   });
     }
   }
+  JAX_MLA_TRACE_AT(0, 5);
+  JAX_MLA_TRACE_END();
 }
 
 }  // namespace cuda

@@ -169,26 +169,9 @@ __device__ __forceinline__ void wide64_load_tiles(const KeyTensorMaps& maps, uin
   }
 }
 
-#ifdef JAX_MLA_TRACE
-// A timeline of the body for diagnosis (standalone driver builds with -DJAX_MLA_TRACE only;
-// tools/trace_report.py reads what the driver prints): clock64 stamps of lane 0 of warps 0 and 3
-// of each warpgroup in blocks 0 and JAX_MLA_TRACE_BLOCK. Row 0: the prologue and the epilogue
-// (events 6 and 7: globaltimer at start and end); row 1 + n: pair n.
-constexpr int kTracePairs = 40, kTraceEvents = 12, kTraceSlots = 8;
-__device__ long long g_jax_mla_trace[kTraceSlots][kTracePairs + 1][kTraceEvents];
-__device__ __forceinline__ long long trace_clock() {
-  long long t;
-  asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)::"memory");
-  return t;
-}
-#ifndef JAX_MLA_TRACE_BLOCK
-#define JAX_MLA_TRACE_BLOCK 200
-#endif
-#define WIDE64_TRACE(row, ev) \
-  do { if (trace_slot >= 0 && (row) <= kTracePairs) g_jax_mla_trace[trace_slot][row][ev] = trace_clock(); } while (0)
-#else
-#define WIDE64_TRACE(row, ev) do { } while (0)
-#endif
+// The body's timeline under JAX_MLA_TRACE (mla_common.cuh): row 0 the prologue and the epilogue, row
+// 1 + n pair n (tools/trace_report.py names the marks).
+#define WIDE64_TRACE(row, ev) JAX_MLA_TRACE_AT(row, ev)
 
 // S = Q K^T for the block in `kbuf`, each tile as its barrier completes: steps [I0, I1) of the
 // tile order, tiles 0-3 first when kLeftFirst (WG0: refilled first), else 4-8 first (WG1).
@@ -287,11 +270,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
 #ifdef JAX_MLA_TRACE
-  const int trace_slot = lane == 0 && (warp == 0 || warp == 3) && (blockIdx.x == 0 || blockIdx.x == JAX_MLA_TRACE_BLOCK)
-                             ? (blockIdx.x == 0 ? 0 : 4) + 2 * HALF + (warp == 3)
-                             : -1;
-  if (trace_slot >= 0) g_jax_mla_trace[trace_slot][0][6] = (long long)globaltimer_ns();
-  WIDE64_TRACE(0, 0);
+  const int trace_slot = jax_mla_trace_slot(HALF, warp, lane, kTraceWide64);
 #endif
   const int rows = u.q_len * hb;
   int r[2], limit[2];
@@ -565,9 +544,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
                             base + W::K_OFF, threadIdx.x);
   static_assert(kStagedRowsBytes <= 2 * W::BUF, "the staged rows fit in the key buffers");
   WIDE64_TRACE(0, 5);
-#ifdef JAX_MLA_TRACE
-  if (trace_slot >= 0) g_jax_mla_trace[trace_slot][0][7] = (long long)globaltimer_ns();
-#endif
+  JAX_MLA_TRACE_END();
 }
 
 // Whether a unit of a 16-bit cache takes this body: TMA maps made (page size >= 32) and a start

@@ -345,22 +345,35 @@ static void time_case(Problem p, const char* name) {
               after_code[0]);
   CHECK(cudaFree(sweep));
 #ifdef JAX_MLA_TRACE
-  // The wide body's timeline (mla_wide64_sm90.cuh) of one more launch of the attention alone.
+  // A body's timeline (mla_common.cuh, JAX_MLA_TRACE) of one more launch of the attention: after another
+  // attention launch (NAME), then after an op's merge kernel (NAME@merge), where the code and the L2
+  // lines the merge used are cold for the attention again. Row 0's event 11 is the body's id.
+  static long long trace[kTraceSlots][kTraceRows + 1][kTraceEvents];
+  auto print_trace = [&](const char* suffix) {
+    CHECK(cudaStreamSynchronize(stream));
+    CHECK(cudaMemcpyFromSymbol(trace, g_jax_mla_trace, sizeof(trace)));
+    for (int slot = 0; slot < kTraceSlots; ++slot) {
+      const long long t0 = trace[slot][0][0];
+      std::printf("trace %s%s slot %d globaltimer %lld %lld body %lld\n", name, suffix, slot, trace[slot][0][6],
+                  trace[slot][0][7], trace[slot][0][11]);
+      for (int row = 0; row <= kTraceRows; ++row) {
+        std::printf("trace %s%s slot %d row %d:", name, suffix, slot, row);
+        for (int e = 0; e < kTraceEvents; ++e)
+          if (row > 0 || e < 6 || (e > 7 && e < 11)) std::printf(" %lld", trace[slot][row][e] - t0);
+        std::printf("\n");
+      }
+    }
+    std::memset(trace, 0, sizeof(trace));
+    CHECK(cudaMemcpyToSymbol(g_jax_mla_trace, trace, sizeof(trace)));
+  };
+  std::memset(trace, 0, sizeof(trace));
+  CHECK(cudaMemcpyToSymbol(g_jax_mla_trace, trace, sizeof(trace)));
   CHECK(launch_attn(ps[0], stream));
   CHECK(launch_attn(ps[1 % sets], stream));
-  CHECK(cudaStreamSynchronize(stream));
-  static long long trace[kTraceSlots][kTracePairs + 1][kTraceEvents];
-  CHECK(cudaMemcpyFromSymbol(trace, g_jax_mla_trace, sizeof(trace)));
-  for (int slot = 0; slot < kTraceSlots; ++slot) {
-    const long long t0 = trace[slot][0][0];
-    std::printf("trace %s slot %d globaltimer %lld %lld\n", name, slot, trace[slot][0][6], trace[slot][0][7]);
-    for (int row = 0; row <= kTracePairs; ++row) {
-      std::printf("trace %s slot %d row %d:", name, slot, row);
-      for (int e = 0; e < kTraceEvents; ++e)
-        if (row > 0 || (e != 6 && e != 7)) std::printf(" %lld", trace[slot][row][e] - t0);
-      std::printf("\n");
-    }
-  }
+  print_trace("");
+  CHECK(launch_op(ps[0], stream, merge_grid));
+  CHECK(launch_attn(ps[1 % sets], stream));
+  print_trace("@merge");
 #endif
 #ifdef JAX_MLA_BLOCK_TRACE
   // Where every block of one op call ran (mla_common.cuh, BlockTraceScope), after a warm-up call, and

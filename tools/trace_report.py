@@ -25,7 +25,7 @@ import collections
 import re
 import statistics
 
-# The marks of a pair, in program order (WIDE64_TRACE(pair + 1, i) in the body).
+# The marks of a pair, in program order (JAX_MLA_TRACE_AT(pair + 1, i) in mla_wide64_sm90.cuh).
 PAIR_MARKS = {
     0: ["top", "m_A signalled", "PV_A issue", "PV_A done", "A 0-3 refilled", "m_B received", "P_A signalled",
         "P_B received", "PV_B + S 0-3 issued", "PV_B done", "S 4-8 issued", "S done"],

@@ -183,7 +183,7 @@ __device__ __forceinline__ void narrow_prepare_queries_fp8(RowChunkAddr chunk, i
     const float factor = exp2_int(k);
     row_scale[rr] = exp2_int(-k);
     // The split saturates (its cvt is satfinite): a row holding an infinity (or NaN) is NaN, by its scale.
-    if (kSplit && !(amax <= 3.4e38f)) row_scale[rr] = __int_as_float(0x7fc00000);
+    if (kSplit && !(amax <= 3.0e38f)) row_scale[rr] = __int_as_float(0x7fc00000);  // fp8_query_exponent's bound
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
       const int c = lane + 32 * i;

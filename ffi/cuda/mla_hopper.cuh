@@ -305,9 +305,9 @@ __device__ __forceinline__ void wgmma_64x256_ss_mn(float (&d)[128], uint64_t des
                   "l"(desc_b), "r"(accumulate))
 #endif
 }
-// The fp8 narrow body's products, transposed (mla_narrow_fp8_sm90.cuh): D 64 x 16 (64 keys or 64 output
-// dims x the 16 query rows), A from registers (keys or V^T, converted in registers from raw e4m3),
-// B (16 rows x 16) K-major in shared memory (the queries, or P).
+// O^T += V^T P^T in the fp8 narrow body (mla_narrow_fp8_sm90.cuh): D 64 output dims x the 16 query
+// rows, A = V^T from registers (converted in registers from raw e4m3), B = P (16 rows x 16 keys)
+// K-major in shared memory.
 #define JAX_MLA_D8() JAX_MLA_F8(0)
 template <typename T>
 __device__ __forceinline__ void wgmma_64x16_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b,

@@ -88,21 +88,14 @@ __device__ __forceinline__ uint32_t fp8_slab_chunk(uint32_t stage, int kl, int c
 // R = {2t, 2t + 1, 8 + 2t, 9 + 2t}; its M-row (key, or dim) is g + 8 ((e >> 1) & 1) of the warp's 16.
 __device__ __forceinline__ constexpr int acc_row(int e) { return (e & 1) + 2 * (e >> 2); }
 
-// Two A fragments (m64 x k16, the mma.sync A layout per warp) from the four converted words of one
-// ldmatrix.x4: c0, c1 the first fragment's matrices (its rows g and g + 8 of the warp's 16), c2, c3
-// the second's. kKeys (S^T: rows are keys): a word's .x holds k-slots 2t, 2t+1 and .y k-slots 2t+8,
-// 2t+9 of its row. Otherwise (O^T: rows are dims; ldmatrix.trans): a word's .x is row g (dim 2g) and
-// .y row g + 8 (dim 2g + 1), for k-slots 2t, 2t+1 (c0, c2) or 2t+8, 2t+9 (c1, c3).
-template <bool kKeys>
+// Two A fragments of O^T (m64 x k16, the mma.sync A layout per warp; rows are dims) from the four
+// converted words of one ldmatrix.trans.x4: c0, c1 the first fragment's matrices, c2, c3 the second's.
+// A word's .x is row g (dim 2g) and .y row g + 8 (dim 2g + 1), for k-slots 2t, 2t+1 (c0, c2) or
+// 2t+8, 2t+9 (c1, c3).
 __device__ __forceinline__ void transposed_a_fragments(uint32_t (&a0)[4], uint32_t (&a1)[4], uint2 c0, uint2 c1,
                                                        uint2 c2, uint2 c3) {
-  if constexpr (kKeys) {
-    a0[0] = c0.x, a0[1] = c1.x, a0[2] = c0.y, a0[3] = c1.y;
-    a1[0] = c2.x, a1[1] = c3.x, a1[2] = c2.y, a1[3] = c3.y;
-  } else {
-    a0[0] = c0.x, a0[1] = c0.y, a0[2] = c1.x, a0[3] = c1.y;
-    a1[0] = c2.x, a1[1] = c2.y, a1[2] = c3.x, a1[3] = c3.y;
-  }
+  a0[0] = c0.x, a0[1] = c0.y, a0[2] = c1.x, a0[3] = c1.y;
+  a1[0] = c2.x, a1[1] = c2.y, a1[2] = c3.x, a1[3] = c3.y;
 }
 
 template <typename T>
@@ -370,7 +363,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
           uint32_t vb[4];
           ldmatrix_x4_trans(vb, fp8_slab_chunk(stage_base, 16 * ks + k8, 4 * (2 * jp + hi) + warp));
           // vb[0]: keys 0-7 of the step, vb[1]: keys 8-15 (tile 2jp); vb[2], vb[3] the same of tile 2jp + 1.
-          transposed_a_fragments<false>(a[2 * jp], a[2 * jp + 1], fp8x4_trans_to_half2x2(vb[0]),
+          transposed_a_fragments(a[2 * jp], a[2 * jp + 1], fp8x4_trans_to_half2x2(vb[0]),
                                         fp8x4_trans_to_half2x2(vb[1]), fp8x4_trans_to_half2x2(vb[2]),
                                         fp8x4_trans_to_half2x2(vb[3]));
         }

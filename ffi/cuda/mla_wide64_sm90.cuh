@@ -169,10 +169,6 @@ __device__ __forceinline__ void wide64_load_tiles(const KeyTensorMaps& maps, uin
   }
 }
 
-// The body's timeline under JAX_MLA_TRACE (mla_common.cuh): row 0 the prologue and the epilogue, row
-// 1 + n pair n (tools/trace_report.py names the marks).
-#define WIDE64_TRACE(row, ev) JAX_MLA_TRACE_AT(row, ev)
-
 // S = Q K^T for the block in `kbuf`, each tile as its barrier completes: steps [I0, I1) of the
 // tile order, tiles 0-3 first when kLeftFirst (WG0: refilled first), else 4-8 first (WG1).
 // Without `wait`, kbuf is the query panels and the product is thrown away: the loop issues every
@@ -269,7 +265,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   using W = Wide64Sm90;
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-#ifdef JAX_MLA_TRACE
+#ifdef JAX_MLA_TRACE  // (mla_common.cuh) row 0: the prologue and the epilogue; row 1 + n: pair n
   const int trace_slot = jax_mla_trace_slot(HALF, warp, lane, kTraceWide64);
 #endif
   const int rows = u.q_len * hb;
@@ -283,7 +279,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   };
   const uint32_t kb0 = W::buf_addr(base, 0), kb1 = W::buf_addr(base, 1), q_panels = base + W::Q_OFF;
 
-  WIDE64_TRACE(0, 8);
+  JAX_MLA_TRACE_AT(0, 8);
   // The first two blocks: WG0 loads their tiles 0-3 (and writes their key masks), WG1 tiles 4-8.
   // The page ids are read first and the tiles issued after this thread's query copies, so that no
   // query copy waits for the page table.
@@ -295,7 +291,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     if (HALF == 0 && num_blocks > 2) ahead_a = wide64_block_pages(p, maps, u, 2);
     if (HALF == 0 && num_blocks > 3) ahead_b = wide64_block_pages(p, maps, u, 3);
   }
-  WIDE64_TRACE(0, 9);
+  JAX_MLA_TRACE_AT(0, 9);
   // Queries: rows r = (token r / hb, head h0 + r % hb), padding rows zero; the latent part into
   // the query panels, the rope part into P1's panel, from where each warpgroup takes it into registers.
   load_query_tile<T, W::ROWS, W::kThreads>(p, u, h0, hb, rows, threadIdx.x, [&](int rr, int c) {
@@ -315,11 +311,11 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       }
     }
   }
-  WIDE64_TRACE(0, 1);
+  JAX_MLA_TRACE_AT(0, 1);
   cp_async_wait_all();
   fence_proxy_async_shared();  // the query panels reach wgmma's reads
   named_barrier_sync(W::kBoth, W::kThreads);
-  WIDE64_TRACE(0, 2);
+  JAX_MLA_TRACE_AT(0, 2);
   uint32_t q_rope[4][4];
   wide64_load_fragments(base + W::P1_OFF, q_rope, warp, lane);  // WG1 overwrites P1 only after the m_A hand-off
 
@@ -367,7 +363,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     wgmma_wait<0>();
     fence_registers(s);
   }
-  WIDE64_TRACE(0, 3);
+  JAX_MLA_TRACE_AT(0, 3);
 
   // Like v5b's consumers, the loop issues every wgmma on every trip (past the end on the query
   // panels, dropped): a branch around one makes ptxas serialise every wgmma of the kernel (C7515).
@@ -379,7 +375,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     const int key0 = u.kv_begin + blk_a * W::BK;
     const bool a_partial = blk_a == num_blocks - 1 && last_rows < W::BK;
     const bool b_partial = blk_b == num_blocks - 1 && last_rows < W::BK;
-    WIDE64_TRACE(pair + 1, 0);
+    JAX_MLA_TRACE_AT(pair + 1, 0);
     // The page ids of this pair's refills. WG0's were read during the last pair, while it waited
     // for tiles: read here, the address arithmetic and loads kept its warp 0 ~120 cycles behind the
     // other warps at the m_A hand-off, which every later step waits for (NOTES.md, "fourth
@@ -399,29 +395,29 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
         for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxA, r[e]) = m_a[e];
       }
       handoff_signal(W::kAReady, base);
-      WIDE64_TRACE(pair + 1, 1);
+      JAX_MLA_TRACE_AT(pair + 1, 1);
       wide_pack_p<T>(s, pa);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * alpha_a[e] + sum_a[e];
       wide_rescale<true>(o, alpha_a);
       if (a_partial) wide64_zero_rows<0>(kb0, last_rows, tid);
-      WIDE64_TRACE(pair + 1, 2);
+      JAX_MLA_TRACE_AT(pair + 1, 2);
       wgmma_fence();
       wide64_pv<T, 0>(o, pa, kb0);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(o);
       fence_fragments(pa);
-      WIDE64_TRACE(pair + 1, 3);
+      JAX_MLA_TRACE_AT(pair + 1, 3);
       if (tid == 0 && next_a) {  // block A's tiles 0-3 are read: block A + 2's go in
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
         st_shared_u32(W::mask_addr(base, blk_a + 2), b.ok);
         wide64_load_tiles<0, 4>(maps, base, 0, b);
       }
-      WIDE64_TRACE(pair + 1, 4);
+      JAX_MLA_TRACE_AT(pair + 1, 4);
       // ---- m_B from WG1: P_A in its frame for WG1's PV, O_L to it ----
       handoff_wait(W::kBReady, base, parity);
-      WIDE64_TRACE(pair + 1, 5);
+      JAX_MLA_TRACE_AT(pair + 1, 5);
       float alpha_b[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -437,13 +433,13 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       wide64_store_p(base + W::P0_OFF, pa, warp, lane);
       fence_proxy_async_shared();  // P_A reaches WG1's wgmma reads
       handoff_signal(W::kP0Ready, base);
-      WIDE64_TRACE(pair + 1, 6);
+      JAX_MLA_TRACE_AT(pair + 1, 6);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] *= alpha_b[e];
       wide_rescale<true>(o, alpha_b);
       if (b_partial) wide64_zero_rows<0>(kb1, last_rows, tid);
       handoff_wait(W::kP1Ready, base, parity);
-      WIDE64_TRACE(pair + 1, 7);
+      JAX_MLA_TRACE_AT(pair + 1, 7);
       // Without a block B, WG1 stored P_B = 0 and this adds 0 times the query panels.
       wgmma_fence();
       wide64_pv_shared_p<T, 0>(o, base + W::P1_OFF, has_b ? kb1 : q_panels);
@@ -456,10 +452,10 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       // tiles 0-3, tiles 4-8 (WG1 refills them last) after it, so that refill never waits for them.
       wide64_scores<T, true, 0, 4>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1, next_a);
       wgmma_commit();
-      WIDE64_TRACE(pair + 1, 8);
+      JAX_MLA_TRACE_AT(pair + 1, 8);
       wgmma_wait<1>();
       fence_registers(o);
-      WIDE64_TRACE(pair + 1, 9);
+      JAX_MLA_TRACE_AT(pair + 1, 9);
       // Block B's tiles 0-3 are read (WG1's S before its signal, our PV now).
       if (tid == 0 && next_b) {
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);
@@ -468,14 +464,14 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       }
       wide64_scores<T, true, 4, 9>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1, next_a);
       wgmma_commit();
-      WIDE64_TRACE(pair + 1, 10);
+      JAX_MLA_TRACE_AT(pair + 1, 10);
       wgmma_wait<0>();
       fence_registers(s);
-      WIDE64_TRACE(pair + 1, 11);
+      JAX_MLA_TRACE_AT(pair + 1, 11);
     } else {
       // ---- block B: softmax against m_A, m_B out ----
       handoff_wait(W::kAReady, base, parity);
-      WIDE64_TRACE(pair + 1, 1);
+      JAX_MLA_TRACE_AT(pair + 1, 1);
       float m_a[2], m_b[2], alpha_ab[2], sum_b[2] = {0.f, 0.f};
 #pragma unroll
       for (int e = 0; e < 2; ++e) m_b[e] = m_a[e] = *stat_ptr(W::kMaxA, r[e]);
@@ -491,7 +487,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
         for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxB, r[e]) = m_b[e];
       }
       handoff_signal(W::kBReady, base);
-      WIDE64_TRACE(pair + 1, 2);
+      JAX_MLA_TRACE_AT(pair + 1, 2);
       // ---- O_R to m_B, then P_B V_B and P_A V_A back to back ----
       float alpha_r[2];
 #pragma unroll
@@ -503,47 +499,47 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       wide64_store_p(base + W::P1_OFF, pb, warp, lane);
       fence_proxy_async_shared();  // P_B reaches WG0's wgmma reads
       handoff_signal(W::kP1Ready, base);
-      WIDE64_TRACE(pair + 1, 3);
+      JAX_MLA_TRACE_AT(pair + 1, 3);
       wide_rescale<true>(o, alpha_r);
       if (b_partial) wide64_zero_rows<1>(kb1, last_rows, tid);
       wgmma_fence();
       wide64_pv<T, 1>(o, pb, has_b ? kb1 : q_panels);
       wgmma_commit();
-      WIDE64_TRACE(pair + 1, 4);
+      JAX_MLA_TRACE_AT(pair + 1, 4);
       if (a_partial) wide64_zero_rows<1>(kb0, last_rows, tid);
       handoff_wait(W::kP0Ready, base, parity);
-      WIDE64_TRACE(pair + 1, 5);
+      JAX_MLA_TRACE_AT(pair + 1, 5);
       wide64_pv_shared_p<T, 1>(o, base + W::P0_OFF, kb0);
       wgmma_commit();
       wgmma_wait<1>();
       fence_fragments(pb);
-      WIDE64_TRACE(pair + 1, 6);
+      JAX_MLA_TRACE_AT(pair + 1, 6);
       if (tid == 0 && next_b) {  // block B's tiles 4-8 are read
         wide64_load_tiles<4, 9>(maps, base, 1, wide64_block_rows(p, maps, u, blk_b + 2, pages_b));
       }
-      WIDE64_TRACE(pair + 1, 7);
+      JAX_MLA_TRACE_AT(pair + 1, 7);
       wgmma_wait<0>();
       fence_registers(o);
-      WIDE64_TRACE(pair + 1, 8);
+      JAX_MLA_TRACE_AT(pair + 1, 8);
       if (tid == 0 && next_a) {  // block A's tiles 4-8 are read
         wide64_load_tiles<4, 9>(maps, base, 0, wide64_block_rows(p, maps, u, blk_a + 2, pages_a));
       }
-      WIDE64_TRACE(pair + 1, 9);
+      JAX_MLA_TRACE_AT(pair + 1, 9);
       wide64_scores<T, false>(s, q_rope, base, next_b ? kb1 : q_panels, 1, parity ^ 1, next_b);
       wgmma_commit();
-      WIDE64_TRACE(pair + 1, 10);
+      JAX_MLA_TRACE_AT(pair + 1, 10);
       wgmma_wait<0>();
       fence_registers(s);
-      WIDE64_TRACE(pair + 1, 11);
+      JAX_MLA_TRACE_AT(pair + 1, 11);
     }
   }
 
-  WIDE64_TRACE(0, 4);
+  JAX_MLA_TRACE_AT(0, 4);
   store_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out,
                             [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); }, W::kBoth, W::kThreads,
                             base + W::K_OFF, threadIdx.x);
   static_assert(kStagedRowsBytes <= 2 * W::BUF, "the staged rows fit in the key buffers");
-  WIDE64_TRACE(0, 5);
+  JAX_MLA_TRACE_AT(0, 5);
   JAX_MLA_TRACE_END();
 }
 

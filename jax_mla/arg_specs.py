@@ -56,6 +56,7 @@ class ArgSpec:
     split: bool = False        # plan for many small units (`case_split_target`): splits and merges everywhere
     whole: bool = False        # one unit per request (`testing.no_split_target`): long units
     kv_dtype: str | None = None  # the latent cache's dtype when not `dtype`: "float8_e4m3fn" (kpe stays dtype)
+    kpe_fp8: bool = False      # with an fp8 kv_dtype: kpe in e4m3 too, with its own scale
     tags: frozenset = frozenset()
     # Benchmark targets: ("peer", x) ours >= x times as fast as the fastest peer; ("TB/s", x),
     # ("TFLOP/s", x) floors; ("us", x) a ceiling.
@@ -64,6 +65,8 @@ class ArgSpec:
     def __post_init__(self):
         if self.split and self.whole:
             raise ValueError(f"an ArgSpec is split or whole, not both: split={self.split}, whole={self.whole}")
+        if self.kpe_fp8 and self.kv_dtype != "float8_e4m3fn":
+            raise ValueError(f"kpe_fp8 needs kv_dtype='float8_e4m3fn', got kv_dtype={self.kv_dtype!r}")
 
     @property
     def num_requests(self) -> int:
@@ -97,7 +100,7 @@ class ArgSpec:
                              " badpages" if self.bad_pages else "", " split" if self.split else "",
                              " whole" if self.whole else ""])
         lead = f"{self.batch}x" if self.batch is not None else ""
-        kv = f" kv:{self.kv_dtype}" if self.kv_dtype else ""
+        kv = (f" kv:{self.kv_dtype}" if self.kv_dtype else "") + (" kpe:fp8" if self.kpe_fp8 else "")
         return (f"{lead}{s(self.kv_lens)} h{self.heads} ps{self.page_size} q{s(self.q_lens)} "
                 f"{self.dtype}{kv}{irregular}")
 
@@ -137,6 +140,9 @@ class ArgSpec:
         if self.kv_dtype is not None and jnp.dtype(self.kv_dtype) == jnp.float8_e4m3fn:
             scales["ckv_scale"] = fp8_scale(batch.ckv)
             batch.ckv = quantize_fp8(batch.ckv, scales["ckv_scale"])
+            if self.kpe_fp8:
+                scales["kpe_scale"] = fp8_scale(batch.kpe)
+                batch.kpe = quantize_fp8(batch.kpe, scales["kpe_scale"])
         return batch, plan, table, kv_dev, scales
 
 
@@ -249,6 +255,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(64, 64, (1, 2, 1), (300, 129, 40), bad_pages=True, split=True, tags=_tags("small", "sweep")),
     # (after it) fp8 narrow units of several tokens (8 heads x 2 = 16 rows, causal) on pages of one key
     ArgSpec(8, 1, (2, 1, 1), (300, 5, 77), dtype="float16", kv_dtype="float8_e4m3fn", bad_pages=True, split=True,
+            tags=_tags("small", "sweep")),
+    # (after it) kpe in e4m3 too: narrow units (q_len 1) and, at 2 tokens x 16 heads, the portable wide body
+    ArgSpec(16, 16, (1, 2, 1), (200, 61, 700), kv_dtype="float8_e4m3fn", kpe_fp8=True, split=True,
             tags=_tags("small", "sweep")),
 )
 

@@ -34,7 +34,8 @@ def check_spec(spec):
     out, lse = f(batch.q_nope, batch.q_pe, batch.ckv, batch.kpe, table, kv_dev, plan, **scales)
     up = lambda x: x.astype(jnp.float32)
     ckv = up(batch.ckv) * scales.get("ckv_scale", 1.0)  # the cache's values (fp8: dequantized)
-    ref, ref_lse = mla_paged_attention_reference(up(batch.q_nope), up(batch.q_pe), ckv, up(batch.kpe),
+    kpe = up(batch.kpe) * scales.get("kpe_scale", 1.0)
+    ref, ref_lse = mla_paged_attention_reference(up(batch.q_nope), up(batch.q_pe), ckv, kpe,
                                                  table, kv_dev, plan, sm_scale=SCALE, return_lse=True)
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
     ref, ref_lse = np.asarray(ref), np.asarray(ref_lse)

@@ -118,20 +118,23 @@ def make(d, specs, checked=True, keep=None):
         code = DTYPES[dt]
         arrays = [_round(rng.standard_normal(s, dtype=np.float32), code) for s in
                   ((t, h, 512), (t, h, 64), (num_pages, ps, 512), (num_pages, ps, 64))]
-        cache, ckv_scale = 0, np.float32(1.0)
+        cache, ckv_scale, kpe_scale = 0, np.float32(1.0), np.float32(1.0)
         if spec.kv_dtype == "float8_e4m3fn":  # ckv as e4m3 values (floats on its grid) and their scale
-            cache = 1
+            cache = 2 if spec.kpe_fp8 else 1  # kpe as e4m3 too (mla_fp8.cuh's cache kinds)
             ckv_scale = np.float32(np.abs(arrays[2]).max() / 448.0)
             arrays[2] = (arrays[2] / ckv_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            if spec.kpe_fp8:
+                kpe_scale = np.float32(np.abs(arrays[3]).max() / 448.0)
+                arrays[3] = (arrays[3] / kpe_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
         kv_dev = np.asarray(kv if spec.device_kv_lens is None else spec.device_kv_lens, np.int32)
         bits = lambda x: int(np.float32(x).view(np.int32))
         header = (0x4D4C4131, code, t, h, num_pages, ps, len(qo), maxp, len(kv_dev), plan.work.shape[0],
-                  plan.merge.shape[0], plan.num_partial_rows, 0, cache, bits(ckv_scale), bits(1.0))
+                  plan.merge.shape[0], plan.num_partial_rows, 0, cache, bits(ckv_scale), bits(kpe_scale))
         if keep is not None and not keep(spec):
             continue
         _write_case(os.path.join(d, f"case{k}.bin"), header, arrays, (table, kv_dev, plan.work, plan.merge))
         if checked:  # reference inputs for `check`
-            np.savez(os.path.join(d, f"case{k}.npz"), qn=arrays[0], qp=arrays[1], ckv=arrays[2] * ckv_scale, kpe=arrays[3],
+            np.savez(os.path.join(d, f"case{k}.npz"), qn=arrays[0], qp=arrays[1], ckv=arrays[2] * ckv_scale, kpe=arrays[3] * kpe_scale,
                      table=table, kv=kv_dev, tokens=np.asarray(plan.tokens), code=code)
         w = np.asarray(plan.work)
         print(f"case{k}: {spec.name} T={t} units={(w[:, 2] > 0).sum()} "

@@ -61,17 +61,26 @@ template <int kCache, typename ChunkAddr>
 __device__ __forceinline__ void gather_key_row(ChunkAddr chunk, const char* ckv_row, const char* kpe_row, int sub,
                                                int bytes) {
   using F = CacheFormat<kCache>;
+  // L2 evict-first: the keys stream through once (a second head block of the unit reads them while
+  // they are fresh). Left normal they pushed the kernel's own code and page table out of L2, and a
+  // launch after another kernel (an op's merge, the model's next layer) then fetched its code from
+  // DRAM: 7-17 us a launch at 1024-4096 keys a unit (ffi/cuda/NOTES.md, "Keys evict-first").
+  const uint64_t pol = l2_evict_first_policy();
+  auto copy = [&](uint32_t dst, const char* src) { cp_async16_hint(dst, src, bytes, pol); };
   if constexpr (!F::kFp8Ckv) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) cp_async16(chunk(sub + 8 * i), ckv_row + (sub + 8 * i) * 16, bytes);
-    cp_async16(chunk(64 + sub), kpe_row + sub * 16, bytes);
+    for (int i = 0; i < 8; ++i) copy(chunk(sub + 8 * i), ckv_row + (sub + 8 * i) * 16);
+    copy(chunk(64 + sub), kpe_row + sub * 16);
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) cp_async16(chunk(F::kRaw + sub + 8 * i), ckv_row + (sub + 8 * i) * 16, bytes);
+    for (int i = 0; i < 4; ++i) copy(chunk(F::kRaw + sub + 8 * i), ckv_row + (sub + 8 * i) * 16);
     if constexpr (F::kFp8Kpe) {
+      // Without the hint: ptxas 13.0 gave the hinted copy in this branch an L2 descriptor in
+      // uniform registers it never set (desc[UR1] in SASS), and the kernel died with an illegal
+      // instruction on the H200 (tests/test_fp8.py and the arg_specs case with kpe_fp8, 16 heads).
       if (sub < 4) cp_async16(chunk(F::kRaw + 32 + sub), kpe_row + sub * 16, bytes);
     } else {
-      cp_async16(chunk(64 + sub), kpe_row + sub * 16, bytes);
+      copy(chunk(64 + sub), kpe_row + sub * 16);
     }
   }
 }

@@ -4,12 +4,15 @@
 //
 // Status: an experiment, built only with -DJAX_MLA_NARROW_FP8_WGMMA (the sm90 kernel otherwise runs
 // the mma.sync body). Through the standalone driver (tools/sanitize_harness) it is correct on every
-// case (errors as the mma.sync body's) and memcheck / synccheck clean on the fp8 cases, and faster
-// where units are long: op 106.9 against 115.1 us at 128 x 4096 x 16 heads, 186.0 against 214.2 at
-// 256 x U[1, 8192]; but 50.8 against 44.0 at 1 x 131072, whose 1024-key units pay a cold start after
-// the merge kernel (the attention alone: 30.9 against 33.7). Not yet run through the GPU tests;
-// racecheck reports hazards in the epilogue's exchange (ordered by named barriers, after the
-// kernel's third warpgroup has exited). ffi/cuda/NOTES.md, "S on e4m3 wgmma", has the numbers.
+// case (errors as the mma.sync body's), memcheck / synccheck clean on the fp8 cases, and with the
+// keys L2 evict-first faster everywhere: op 96.9 against 111.6 us at 128 x 4096 x 16 heads, 181.4
+// against 212.6 at 256 x U[1, 8192], 40.2 against 41.3 at 1 x 131072; through JAX (a library built
+// with JAX_MLA_NARROW_FP8_WGMMA=ON) 1.54x the bf16 cache at 128 x 4096. Not the default because
+// racecheck reports hazards in the epilogue's exchange (named barriers between the two warpgroups;
+// not the exited third warpgroup), and its GPU test run was cut short by an fp8-kpe miscompile in
+// another body (fixed since, not re-run). -DJAX_MLA_NARROW_FP8_TMA (an experiment inside it, not
+// yet run on a GPU) loads whole 32-key halves of a block by TMA. ffi/cuda/NOTES.md, "S on e4m3
+// wgmma" and "Keys evict-first", has the numbers.
 //
 // Why. The mma.sync narrow body with an fp8 ckv (mla_narrow_kernel.cuh, "fp8 in registers") is
 // bound by its own instruction stream: eight warps run its steps in lock step between three block
@@ -67,7 +70,8 @@ struct NarrowFp8Sm90 {
   static constexpr int LSTAT_OFF = MSTAT_OFF + 2 * ROWS * 4;          // float [warpgroup][warp][16]: sums
   static constexpr int KEY_OK_OFF = LSTAT_OFF + 2 * 4 * ROWS * 4;     // u8 [warpgroup][stage][BK]
   static constexpr int RING_OFF = KEY_OK_OFF + 2 * STAGES * BK;       // int [warpgroup][RING][BK]
-  static constexpr int BYTES = RING_OFF + 2 * RING * BK * 4;
+  static constexpr int MBAR_OFF = RING_OFF + 2 * RING * BK * 4;       // u64 [warpgroup][stage]: TMA'd halves landed
+  static constexpr int BYTES = MBAR_OFF + 2 * STAGES * 8;
   static constexpr int SMEM_BYTES = BYTES + 1024 - 16;  // room to align the base
   // The queries' staging rows (kNarrowRowBytes each): warpgroup 1's second stage, first gathered
   // into after the queries have moved to their panels.
@@ -98,8 +102,11 @@ __device__ __forceinline__ void transposed_a_fragments(uint32_t (&a0)[4], uint32
   a1[0] = c2.x, a1[1] = c2.y, a1[2] = c3.x, a1[3] = c3.y;
 }
 
-template <typename T>
-__device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Unit u, int h0, int hb, char* smem) {
+// maps: the launch's key tensor maps (mla_wide_sm90.cuh's KeyTensorMaps: an e4m3 ckv in boxes of 128
+// bytes, kpe in boxes of 64 values, box_rows keys a box), read with -DJAX_MLA_NARROW_FP8_TMA only.
+template <typename T, typename Maps>
+__device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, const Maps& maps, Unit u, int h0, int hb,
+                                                            char* smem) {
   using N = NarrowFp8Sm90;
   constexpr int kCache = kCacheFp8Ckv;
   constexpr int QTERMS = std::is_same_v<T, __half> ? 3 : 2;  // split_e4m3x4: exact for the query type
@@ -140,11 +147,57 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
   auto fetch_pages = [&](int i) {
     fetch_page_ids<N::BK, N::RING>(p, pt_row, ring, kv_begin, 2 * i + wg, num_blocks, key_bound, wtid);
   };
+#ifdef JAX_MLA_NARROW_FP8_TMA
+  // (An experiment.) Halves of a block (32 keys, one TMA box) that are whole and on one valid page
+  // come by TMA, issued by one thread on the stage's mbarrier: four boxes of latent (the slabs) and
+  // one of kpe, instead of ~20 cp.async a thread. The other halves keep the cp.async gather. Every
+  // issue arrives once on the barrier (expecting the TMA'd bytes, maybe none), so its phases count
+  // the stage's blocks.
+  const bool tma = maps.enabled && maps.box_rows == 32;
+  const uint32_t s_bar = base + N::MBAR_OFF + wg * N::STAGES * 8;
+  if (tma && wtid == 0) {
+    for (int st = 0; st < N::STAGES; ++st) mbar_init(s_bar + 8 * st, 1);
+    mbar_init_fence();
+  }
+#endif
   auto issue_block = [&](int i) {
     const uint32_t stage = s_kv + (i & 1) * N::STAGE;
+    unsigned skip = 0;  // gather passes (16 keys each) left to TMA
+#ifdef JAX_MLA_NARROW_FP8_TMA
+    if (tma) {
+      const int blk = 2 * i + wg;
+      const int* pages = ring + (blk % N::RING) * N::BK;
+      int row[2];
+      uint32_t bytes = 0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key0 = kv_begin + blk * N::BK + 32 * h;
+        const int page = pages[32 * h];
+        const int in_page = key0 & (p.page_size - 1);
+        const bool whole = key0 + 32 <= u.range_end && page >= 0 && page < p.num_pages && in_page + 32 <= p.page_size;
+        row[h] = whole ? page * p.page_size + in_page : -1;
+        if (whole) {
+          skip |= 3u << (2 * h);
+          bytes += 32 * (kDimCkv + kDimKpe * (int)sizeof(T));
+        }
+      }
+      if (wtid == 0) {
+        const uint32_t bar = s_bar + 8 * (i & 1);
+        mbar_arrive_expect_tx(bar, bytes);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (row[h] < 0) continue;
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            tma_load_2d_evict_first(stage + j * N::SLAB + h * 32 * 128, &maps.ckv, 128 * j, row[h], bar);
+          tma_load_2d_evict_first(stage + 4 * N::SLAB + h * 32 * 128, &maps.kpe, 0, row[h], bar);
+        }
+      }
+    }
+#endif
     gather_key_block<kCache, N::BK, N::RING, N::BK / 16, 16>(
         p, u, ring, key_ok, kv_begin, 2 * i + wg, i & 1, wtid,
-        [&](int kl, int c) { return fp8_slab_chunk(stage, kl, c - C0); });
+        [&](int kl, int c) { return fp8_slab_chunk(stage, kl, c - C0); }, skip);
   };
 
   // ---- prologue (both warpgroups): page ids of local blocks 0-2, the queries, block 0 ----
@@ -234,6 +287,9 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     // flight per warpgroup while the other computes. Issued before the wait (two in flight) measured
     // the same, but only while a slow prologue hid it (ffi/cuda/NOTES.md, 2026-12-03, tenth session).
     cp_async_wait<0>();
+#ifdef JAX_MLA_NARROW_FP8_TMA
+    if (tma) mbar_wait(s_bar + 8 * (i & 1), (i >> 1) & 1);  // block i's TMA'd halves (the stage's (i / 2)-th phase)
+#endif
     fence_proxy_async_shared();
     named_barrier_sync(bar, 128);
     JAX_MLA_TRACE_AT(i + 1, 1);

@@ -1,5 +1,6 @@
 """The GPU-analysis tools that run on this machine: tools/ncu_source.py on a small source page,
-tools/trace_report.py on a small timeline, tools/block_trace_report.py on a small block trace."""
+tools/trace_report.py on a small timeline, tools/block_trace_report.py on a small block trace,
+tools/sass_size.py on a few lines of SASS."""
 
 import gzip
 import importlib.util
@@ -135,3 +136,25 @@ def test_block_trace_report_span_tail_and_cost_fit():
     assert out[2].startswith("   narrow: 6 blocks, 30.00 ns a key + 2.00 us a block (= 67 keys)")
     assert out[2].endswith("3 split")
     assert out[3].startswith("   ended late: block 5 (narrow, 1000 keys) on SM 1: 20.0 -> 52.0 us")
+
+
+# nvdisasm's layout: a section per kernel, instructions as /*addr*/ text ; (the odd descriptor is the
+# ptxas 13.0 miscompile of a hinted cp.async in a divergent branch, ffi/cuda/NOTES.md).
+SASS = """\
+        .section        .text.kernel_a,"ax",@progbits
+.text.kernel_a:
+        /*0000*/                   LDGSTS.E.BYPASS.128 [R23], desc[UR8][R14.64], !P0 ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R13+UR0+0x12840], desc[UR1][R2.64], P2 ;
+        /*0020*/                   LDG.E desc[UR4][R2.64] ;
+        .section        .text.kernel_b,"ax",@progbits
+.text.kernel_b:
+        /*0000*/                   STG.E desc[UR14][R2.64], R5 ;
+"""
+
+
+def test_sass_size_flags_odd_descriptor_registers():
+    tool = _tool("sass_size")
+    found = tool.kernels(SASS)
+    assert sorted(found) == ["kernel_a", "kernel_b"]
+    assert [a for a, _ in tool.odd_descriptors(found["kernel_a"][0])] == [0x10]
+    assert tool.odd_descriptors(found["kernel_b"][0]) == []

@@ -9,7 +9,11 @@ cubin and reads it with nvdisasm:
     python3 tools/sass_size.py [--src DIR] [--defines=-DMACRO,-DOTHER=1] [--cubin PATH]
 
 It prints the SASS instructions of every kernel, then, for each sm_90a kernel, the loops that hold
-more than eight wgmma (HGMMA) instructions: their length and their FMUL / R2UR / UTMALDG counts.
+more than eight wgmma (HGMMA) instructions: their length and their FMUL / R2UR / UTMALDG counts. It
+also flags memory instructions whose 64-bit descriptor (`desc[URn]`, which carries the L2 cache
+policy) names an odd uniform register: ptxas 13.0 emitted such LDGSTS, from registers it never set,
+for a cp.async with an L2 hint in a divergent branch, and the kernel died with an illegal
+instruction (ffi/cuda/NOTES.md, "Keys evict-first"); the script exits 1 when it finds one.
 nvdisasm comes from the CUDA toolkit on PATH or from the PyPI wheel `nvidia-cuda-nvdisasm` (its
 binary is found inside the installed package); neither is a dependency of jax_mla.
 """
@@ -76,6 +80,14 @@ def kernels(sass: str) -> dict[str, list[tuple[int, str, dict[str, int]]]]:
     return out
 
 
+DESC = re.compile(r"desc\[UR(\d+)\]")
+
+
+def odd_descriptors(ins):
+    """Instructions (address, text) whose memory descriptor is an odd uniform register (not a pair)."""
+    return [(a, t) for a, t in ins if any(int(n) % 2 for n in DESC.findall(t))]
+
+
 def hot_loops(ins, labels, min_wgmma=8, max_len=4000):
     """Backward branches that close a loop of more than min_wgmma HGMMA (the mbarrier retry stubs
     the compiler puts at the end of the kernel span the whole body and are left out by max_len)."""
@@ -105,11 +117,17 @@ def main() -> None:
             build_cubin(args.src.resolve(), [d for d in args.defines.split(",") if d], cubin)
         sass = subprocess.run([find_nvdisasm(), str(cubin)], check=True, capture_output=True, text=True).stdout
     found = kernels(sass)
+    bad = 0
     for name, (ins, labels) in sorted(found.items(), key=lambda kv: -len(kv[1][0])):
         print(f"{len(ins):6d}  {name}")
         for start, length, n_wgmma, ops in hot_loops(ins, labels):
             print(f"        loop at {start:#x}: {length} instructions, {n_wgmma} HGMMA, FMUL {ops['FMUL']}, "
                   f"R2UR {ops['R2UR']}, UTMALDG {ops['UTMALDG']}")
+        for addr, text in odd_descriptors(ins):
+            bad += 1
+            print(f"        ODD DESCRIPTOR at {addr:#x}: {text}")
+    if bad:
+        sys.exit(f"{bad} instructions with an odd descriptor register (see the header)")
 
 
 if __name__ == "__main__":

@@ -153,7 +153,9 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, co
   // one of kpe, instead of ~20 cp.async a thread. The other halves keep the cp.async gather. Every
   // issue arrives once on the barrier (expecting the TMA'd bytes, maybe none), so its phases count
   // the stage's blocks.
-  const bool tma = maps.enabled && maps.box_rows == 32;
+  constexpr int kBox = 32;                     // keys a box: the launch's maps for an fp8 ckv
+  constexpr int kBoxPasses = kBox / 16;        // gather passes (16 keys each) a box replaces
+  const bool tma = maps.enabled && maps.box_rows == kBox;
   const uint32_t s_bar = base + N::MBAR_OFF + wg * N::STAGES * 8;
   if (tma && wtid == 0) {
     for (int st = 0; st < N::STAGES; ++st) mbar_init(s_bar + 8 * st, 1);
@@ -171,14 +173,15 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, co
       uint32_t bytes = 0;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int key0 = kv_begin + blk * N::BK + 32 * h;
-        const int page = pages[32 * h];
+        const int key0 = kv_begin + blk * N::BK + kBox * h;
+        const int page = pages[kBox * h];
         const int in_page = key0 & (p.page_size - 1);
-        const bool whole = key0 + 32 <= u.range_end && page >= 0 && page < p.num_pages && in_page + 32 <= p.page_size;
+        const bool whole =
+            key0 + kBox <= u.range_end && page >= 0 && page < p.num_pages && in_page + kBox <= p.page_size;
         row[h] = whole ? page * p.page_size + in_page : -1;
         if (whole) {
-          skip |= 3u << (2 * h);
-          bytes += 32 * (kDimCkv + kDimKpe * (int)sizeof(T));
+          skip |= ((1u << kBoxPasses) - 1) << (kBoxPasses * h);
+          bytes += kBox * (kDimCkv + kDimKpe * (int)sizeof(T));
         }
       }
       if (wtid == 0) {
@@ -189,8 +192,8 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, co
           if (row[h] < 0) continue;
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            tma_load_2d_evict_first(stage + j * N::SLAB + h * 32 * 128, &maps.ckv, 128 * j, row[h], bar);
-          tma_load_2d_evict_first(stage + 4 * N::SLAB + h * 32 * 128, &maps.kpe, 0, row[h], bar);
+            tma_load_2d_evict_first(stage + j * N::SLAB + h * kBox * 128, &maps.ckv, 128 * j, row[h], bar);
+          tma_load_2d_evict_first(stage + 4 * N::SLAB + h * kBox * 128, &maps.kpe, 0, row[h], bar);
         }
       }
     }
@@ -284,8 +287,9 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, co
     // Block i landed (this thread's copies, then a proxy fence: wgmma reads the stage) and every warp
     // is done with block i - 1's stage and P; block i + 1 goes into that stage now. Issued after the
     // fence (whether a proxy fence waits for later copies is not documented), so one block is in
-    // flight per warpgroup while the other computes. Issued before the wait (two in flight) measured
-    // the same, but only while a slow prologue hid it (ffi/cuda/NOTES.md, 2026-12-03, tenth session).
+    // flight per warpgroup while the other computes. Issued before the wait (two in flight, behind a
+    // barrier that frees block i - 1's stage) it was at most 1.5% faster (ffi/cuda/NOTES.md, "Keys
+    // evict-first": the body is bound by its own work).
     cp_async_wait<0>();
 #ifdef JAX_MLA_NARROW_FP8_TMA
     if (tma) mbar_wait(s_bar + 8 * (i & 1), (i >> 1) & 1);  // block i's TMA'd halves (the stage's (i / 2)-th phase)

@@ -91,6 +91,12 @@ def make_timing(d, l2_probe=False, tag=None):
         print(f"time{k}: {spec.name}: {plan.describe()}")
 
 
+def _e4m3(x):
+    """x as e4m3 values (floats on its grid) and the scale they take (amax / 448): value = e4m3 x scale."""
+    scale = np.float32(np.abs(x).max() / 448.0)
+    return (x / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32), scale
+
+
 def make(d, specs, checked=True, keep=None):
     """Driver cases of `specs` (case{k}: the k-th spec), with reference inputs where `checked`. `keep`:
     write only the specs it accepts; every spec still draws its data, so a kept case has the same
@@ -121,11 +127,9 @@ def make(d, specs, checked=True, keep=None):
         cache, ckv_scale, kpe_scale = 0, np.float32(1.0), np.float32(1.0)
         if spec.kv_dtype == "float8_e4m3fn":  # ckv as e4m3 values (floats on its grid) and their scale
             cache = 2 if spec.kpe_fp8 else 1  # kpe as e4m3 too (mla_fp8.cuh's cache kinds)
-            ckv_scale = np.float32(np.abs(arrays[2]).max() / 448.0)
-            arrays[2] = (arrays[2] / ckv_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+            arrays[2], ckv_scale = _e4m3(arrays[2])
             if spec.kpe_fp8:
-                kpe_scale = np.float32(np.abs(arrays[3]).max() / 448.0)
-                arrays[3] = (arrays[3] / kpe_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+                arrays[3], kpe_scale = _e4m3(arrays[3])
         kv_dev = np.asarray(kv if spec.device_kv_lens is None else spec.device_kv_lens, np.int32)
         bits = lambda x: int(np.float32(x).view(np.int32))
         header = (0x4D4C4131, code, t, h, num_pages, ps, len(qo), maxp, len(kv_dev), plan.work.shape[0],
@@ -134,8 +138,8 @@ def make(d, specs, checked=True, keep=None):
             continue
         _write_case(os.path.join(d, f"case{k}.bin"), header, arrays, (table, kv_dev, plan.work, plan.merge))
         if checked:  # reference inputs for `check`
-            np.savez(os.path.join(d, f"case{k}.npz"), qn=arrays[0], qp=arrays[1], ckv=arrays[2] * ckv_scale, kpe=arrays[3] * kpe_scale,
-                     table=table, kv=kv_dev, tokens=np.asarray(plan.tokens), code=code)
+            np.savez(os.path.join(d, f"case{k}.npz"), qn=arrays[0], qp=arrays[1], ckv=arrays[2] * ckv_scale,
+                     kpe=arrays[3] * kpe_scale, table=table, kv=kv_dev, tokens=np.asarray(plan.tokens), code=code)
         w = np.asarray(plan.work)
         print(f"case{k}: {spec.name} T={t} units={(w[:, 2] > 0).sum()} "
               f"split_units={((w[:, 2] > 0) & (w[:, 6] >= 0)).sum()}")

@@ -39,9 +39,12 @@ nb::dict build_info() {
   nb::list bodies;
   if (JAX_MLA_CUDA_BUILT) {
     bodies.append("mma.sync portable kernel (every arch)");
-    if (JAX_MLA_CUDA_SM90A) bodies.append("wgmma warp-specialised sm_90a kernel (compute capability 9.0)");
-    if (JAX_MLA_CUDA_NARROW_FP8_WGMMA)  // an experiment (CMake option JAX_MLA_NARROW_FP8_WGMMA)
-      bodies.append("experimental: fp8 narrow units on the transposed e4m3 wgmma body (sm_90a)");
+    if (JAX_MLA_CUDA_SM90A) {
+      bodies.append("wgmma warp-specialised sm_90a kernel (compute capability 9.0)");
+      // Units of at most 16 rows on an e4m3 ckv (CMake option JAX_MLA_NARROW_FP8_MMA_SYNC picks).
+      bodies.append(JAX_MLA_CUDA_NARROW_FP8_MMA_SYNC ? "fp8 narrow units: mma.sync body (sm_90a)"
+                                                     : "fp8 narrow units: transposed e4m3 wgmma body (sm_90a)");
+    }
   }
   cuda["bodies"] = bodies;
   info["cuda"] = cuda;

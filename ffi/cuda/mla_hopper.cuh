@@ -305,16 +305,15 @@ __device__ __forceinline__ void wgmma_64x256_ss_mn(float (&d)[128], uint64_t des
                   "l"(desc_b), "r"(accumulate))
 #endif
 }
-// O^T += V^T P^T in the fp8 narrow body (mla_narrow_fp8_sm90.cuh): D 64 output dims x the 16 query
-// rows, A = V^T from registers (converted in registers from raw e4m3), B = P (16 rows x 16 keys)
-// K-major in shared memory.
-#define JAX_MLA_D8() JAX_MLA_F8(0)
-template <typename T>
-__device__ __forceinline__ void wgmma_64x16_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b,
-                                               int accumulate) {
+// O^T += V^T P^T over one k32 step of keys on e4m3 (mla_narrow_fp8_sm90.cuh):
+// D 64 output dims x 32 (two e4m3 terms of the 16 query rows' P), A = V^T from registers (raw key
+// bytes, permuted; the 8-bit A layout per warp: a[0] (g, 4t..4t+3), a[1] (g+8, 4t..), a[2] (g,
+// 16+4t..), a[3] (g+8, 16+4t..)), B = P (32 x 32) K-major e4m3 in shared memory.
+__device__ __forceinline__ void wgmma_64x32_rs_e4m3(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b,
+                                                    int accumulate) {
 #ifdef JAX_MLA_HAS_WGMMA
-  JAX_MLA_WGMMA_T("m64n16k16", "%0, %1, %2, %3, %4, %5, %6, %7", JAX_MLA_D8, "{%8, %9, %10, %11}, %12", "%13",
-                  "1, 1, 0", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+  JAX_MLA_WGMMA("e4m3", "m64n32k32", JAX_MLA_R16, JAX_MLA_D16, "{%16, %17, %18, %19}, %20", "%21", "1, 1",
+                "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 #endif
 }
 // S^T += K Q^T over one k32 step of an e4m3 ckv (mla_narrow_fp8_sm90.cuh): D 64 keys x N (the e4m3
@@ -338,6 +337,7 @@ __device__ __forceinline__ void wgmma_64xN_ss_e4m3(float (&d)[N / 2], uint64_t d
 }
 #undef JAX_MLA_R24
 #undef JAX_MLA_D24
+#define JAX_MLA_D8() JAX_MLA_F8(0)
 // The rope part of the same: D 64 keys x 16 rows, A (kpe, 64 keys x 16) and B (q_pe, 16 x 16) K-major
 // in shared memory.
 template <typename T>

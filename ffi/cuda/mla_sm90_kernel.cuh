@@ -60,10 +60,11 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
       claim_registers<232>();
     }
     if (rows <= 16) {
-#if defined(JAX_MLA_HAS_WGMMA) && defined(JAX_MLA_NARROW_FP8_WGMMA)
-      // An experiment, off by default (mla_narrow_fp8_sm90.cuh says why): the transposed wgmma body.
+#if defined(JAX_MLA_HAS_WGMMA) && !defined(JAX_MLA_NARROW_FP8_MMA_SYNC)
+      // An fp8 ckv: the transposed e4m3 wgmma body (mla_narrow_fp8_sm90.cuh). -DJAX_MLA_NARROW_FP8_MMA_SYNC
+      // keeps the mma.sync body for it instead (an A/B of the two).
       if constexpr (kCache == kCacheFp8Ckv) {
-        attend_unit_narrow_fp8_sm90<T>(p, maps, u, h0, hb, smem);
+        attend_unit_narrow_fp8_sm90<T>(p, u, h0, hb, smem);
         return;
       }
 #endif

@@ -58,12 +58,10 @@ __device__ __forceinline__ void fetch_page_ids(const Problem& p, const int* pt_r
 // kl = pass * KPP + tid / 8 (PASSES passes of KPP keys: 32 for 256 threads, 16 for a warpgroup)
 // and chunks tid % 8 + 8 i of each (gather_key_row). Keys past u.range_end or on a page id outside the cache
 // are zero-filled (never read out of bounds) and flagged 0 in key_ok[stage * BK + kl].
-// chunk(kl, c): shared address of chunk c of key kl's row in this stage. Passes set in skip_passes
-// are left to another copy (TMA) that brings whole valid keys: only their key_ok flags are set.
+// chunk(kl, c): shared address of chunk c of key kl's row in this stage.
 template <int kCache, int BK, int RING, int PASSES, int KPP = 32, typename KeyOk, typename ChunkAddr>
 __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u, const int* page_ring, KeyOk* key_ok,
-                                                 int kv_begin, int blk, int stage, int tid, ChunkAddr chunk,
-                                                 unsigned skip_passes = 0) {
+                                                 int kv_begin, int blk, int stage, int tid, ChunkAddr chunk) {
   using F = CacheFormat<kCache>;
   const char* ckv = static_cast<const char*>(p.ckv);
   const char* kpe = static_cast<const char*>(p.kpe);
@@ -72,10 +70,6 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
 #pragma unroll
   for (int pass = 0; pass < PASSES; ++pass) {
     const int kl = pass * KPP + (tid >> 3);
-    if ((skip_passes >> pass) & 1u) {
-      if (sub == 0) key_ok[stage * BK + kl] = 1;
-      continue;
-    }
     const int key = kv_begin + blk * BK + kl;
     const int page = pages[kl];
     const bool ok = key < u.range_end && page >= 0 && page < p.num_pages;

@@ -105,8 +105,8 @@ fi
 if has sanitize && [ $built -eq 0 ]; then
   # Standalone driver (no JAX): one cudaMalloc per operand, so memcheck sees each
   # operand's true bounds; outputs then checked against NumPy.
-  # HARNESS: another driver build, e.g. build/gpu/sanitize_harness_narrow_fp8_wgmma (the experimental
-  # fp8 narrow body); SANITIZE_TOOLS: which tools (default all three); SANITIZER_ARGS: more
+  # HARNESS: another driver build, e.g. build/gpu/sanitize_harness_narrow_fp8_mma_sync (fp8
+  # narrow units on the mma.sync body); SANITIZE_TOOLS: which tools (default all three); SANITIZER_ARGS: more
   # compute-sanitizer options, e.g. SANITIZE_TOOLS=racecheck SANITIZER_ARGS="--racecheck-report hazard".
   harness=${HARNESS:-build/gpu/sanitize_harness}
   [ -x $harness ] || { echo "no $harness: run the build step"; status=1; }

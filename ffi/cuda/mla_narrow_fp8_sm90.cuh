@@ -339,8 +339,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) l_thr[k] = l_thr[k] * alpha[k] + sum[k];
-    // P (fp16) as the 16 x 64 K-major panel of P V's B: element (key, row) of this thread's
-    // fragments lands at row `row`, key column `key` (stmatrix.trans).
+    // P as the K-major panel of P V's B (N::P_PANEL: 32 rows of 64 e4m3 keys).
     const uint32_t p_panel = base + N::P_OFF + (wg * 2 + (i & 1)) * N::P_PANEL;
     {
       // P times 2^8 in two e4m3 terms, x = hi + lo / 16 (split_e4m3x4's rule), row n = 16 term + row,
@@ -387,9 +386,8 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     named_barrier_sync(bar, 128);  // P of every warp is in the panel
     JAX_MLA_TRACE_AT(i + 1, 4);
 
-    // ---- O^T += V^T P^T: per 16 keys, tiles 2jp and 2jp + 1 from one ldmatrix.trans ----
+    // ---- O^T += V^T P^T on e4m3 ----
     const uint32_t p_lo = sw128_desc_lo(p_panel);
-
     {
       // Two halves of four output tiles; per half a fresh accumulator (64 dims x two terms x 16 rows)
       // over the block's two k32 steps, added into O in float32 (the e4m3 wgmma's running sum keeps

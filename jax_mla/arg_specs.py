@@ -259,6 +259,15 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # (after it) kpe in e4m3 too: narrow units (q_len 1) and, at 2 tokens x 16 heads, the portable wide body
     ArgSpec(16, 16, (1, 2, 1), (200, 61, 700), kv_dtype="float8_e4m3fn", kpe_fp8=True, split=True,
             tags=_tags("small", "sweep")),
+    # (after it) fp8 wide units of 64+ heads on TMA pages (mla_wide64_sm90.cuh converts each block in its
+    # buffer): a 16-row head block beside a full one, causal q_len 3, bad pages, long unsplit ranges;
+    # pages of 32 keys (two boxes a block); 128 heads split, with partial last blocks
+    ArgSpec(80, 64, (3, 1), (1500, 700), dtype="float16", kv_dtype="float8_e4m3fn", bad_pages=True, whole=True,
+            tags=_tags("small", "sweep")),
+    ArgSpec(64, 32, (2, 1), (700, 300), kv_dtype="float8_e4m3fn", bad_pages=True, whole=True,
+            tags=_tags("small", "sweep")),
+    ArgSpec(128, 64, (1, 2, 1), (300, 129, 40), kv_dtype="float8_e4m3fn", bad_pages=True, split=True,
+            tags=_tags("small", "sweep")),
 )
 
 

@@ -89,6 +89,26 @@ def test_fp8_op_matches_reference_on_dequantized_cache(rng, page_size, qdtype):
     np.testing.assert_allclose(np.asarray(lse)[~empty], np.asarray(ref_lse)[~empty], atol=5e-3)
 
 
+@pytest.mark.parametrize("heads, page_size, qo, kv, split", [
+    (64, 32, [2, 1], [700, 300], False),             # two TMA boxes a block, causal q_len 2
+    (128, 64, [1, 1, 1, 0], [900, 64, 130, 0], True),  # one box a block, splits, partial blocks, empty
+    (80, 128, [3, 1], [1500, 700], False),           # a 16-row head block beside a full one, q_len 3
+])
+@pytest.mark.parametrize("qdtype", [jnp.bfloat16, jnp.float16])
+def test_fp8_wide_units_on_tma_pages_match_reference(rng, heads, page_size, qo, kv, split, qdtype):
+    """64 heads or more on pages of >= 32 keys: on sm_90a the 64-key body, each block's raw e4m3 latent
+    turned into fp16 in its own buffer (mla_wide64_sm90.cuh); every backend checked the same way."""
+    needs_ffi()
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, qo, kv, heads=heads, page_size=page_size, qdtype=qdtype,
+                                                     split=split)
+    out, lse = jax.jit(lambda *a: mla_paged_attention(*a, sm_scale=SCALE, return_lse=True, backend="ffi",
+                                                      **scales))(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan)
+    ref, ref_lse = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
+    assert rel_err(out, ref) < 3e-3
+    ok = ~np.isneginf(np.asarray(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse)[ok], np.asarray(ref_lse)[ok], atol=5e-3)
+
+
 @pytest.mark.parametrize("heads", [1, 16, 128])
 def test_fp8_kpe_and_heads_match_reference(rng, heads):
     needs_ffi()

@@ -44,6 +44,8 @@ nb::dict build_info() {
       // Units of at most 16 rows on an e4m3 ckv (CMake option JAX_MLA_NARROW_FP8_MMA_SYNC picks).
       bodies.append(JAX_MLA_CUDA_NARROW_FP8_MMA_SYNC ? "fp8 narrow units: mma.sync body (sm_90a)"
                                                      : "fp8 narrow units: transposed e4m3 wgmma body (sm_90a)");
+      // Units of 64 heads or more on an e4m3 ckv (pages of >= 32 keys).
+      bodies.append("fp8 wide units of 64+ heads: 64-key body, each block turned into fp16 in its buffer (sm_90a)");
     }
   }
   cuda["bodies"] = bodies;

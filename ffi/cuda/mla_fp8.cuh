@@ -1,11 +1,14 @@
 // The FP8 (e4m3) latent cache in the kernels: the one place where every body
-// gathers a key row, turns fp8 into its MMA type and applies the scales. Three
+// gathers a key row, turns fp8 into its MMA type and applies the scales. Four
 // ways to turn it, by body:
 //   * narrow (<= 16 rows), fp8 ckv and kpe in T: the rows stay raw in shared
 //     memory, each warp converts its MMA fragments in registers
 //     (fp8x4_to_half2x2; "fp8 in registers" in mla_narrow_kernel.cuh);
 //   * wgmma wide body: its producer converts whole stages to fp16 (fp8x8_to;
 //     wide_producer_fp8 in mla_wide_sm90.cuh);
+//   * 64-key wide body (64+ heads): the raw block lands in half of its buffer
+//     and the warpgroup that multiplies it next rewrites it as fp16 in place
+//     (fp8x8_to; wide64_convert_block in mla_wide64_sm90.cuh);
 //   * portable wide body, and any body with an fp8 kpe: the stage expanded in
 //     place to T (expand_fp8_stage), as follows.
 //

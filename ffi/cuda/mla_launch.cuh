@@ -151,11 +151,17 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
   } else {
     if (use_sm90_kernel()) {
 #ifndef JAX_MLA_NO_WIDE64  // (an A/B switch: every wide unit on the producer / two-consumer body)
-      if constexpr (kCache == kCacheAsQuery) {
-        // A 16-bit cache read by TMA, and 64 heads or more: the instance with the 64-key body. Its
-        // two key buffers suit units of 64 rows, where the MMAs bound the time; narrower units
-        // (fewer heads, whatever the q_len) are bound by the copy and keep v5b's deeper ring
-        // (ffi/cuda/NOTES.md, "v8").
+#ifdef JAX_MLA_FP8_NO_WIDE64  // (an A/B switch: fp8 wide units on the producer body, which converts)
+      constexpr bool kWide64Cache = kCache == kCacheAsQuery;
+#else
+      constexpr bool kWide64Cache = kCache != kCacheFp8CkvKpe;
+#endif
+      if constexpr (kWide64Cache) {
+        // A cache read by TMA (a 16-bit cache, or an fp8 ckv with kpe 16-bit), and 64 heads or more:
+        // the instance with the 64-key body. Its two key buffers suit units of 64 rows, where the
+        // MMAs bound the time; narrower units (fewer heads, whatever the q_len) are bound by the copy
+        // and keep v5b's deeper ring (ffi/cuda/NOTES.md, "v8"). An fp8 block is converted to fp16 in
+        // its buffer by the warpgroup that multiplies it ("fp8 on the 64-key body").
         if (p.num_heads >= Wide64Sm90::ROWS) {
           const KeyTensorMaps maps =
               key_tensor_maps<T, kCache>(p, p.page_size >= Wide64Sm90::BK ? Wide64Sm90::BK : WideSm90::BK);

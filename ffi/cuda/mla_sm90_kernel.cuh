@@ -1,7 +1,7 @@
 // The sm_90a kernel of the paged MLA op: one block per work unit and head block.
 // Units of at most 16 query rows take the narrow body (mla_narrow_kernel.cuh); wider units take a
-// wgmma body. Two instances per cache: kWide64 (256 threads; launched for 16-bit caches read by
-// TMA with 64 heads or more, mla_launch.cuh) holds the two-warpgroup body of 64-key blocks
+// wgmma body. Two instances per cache: kWide64 (256 threads; launched for caches read by TMA, a
+// 16-bit or an fp8 ckv, with 64 heads or more, mla_launch.cuh) holds the two-warpgroup body of 64-key blocks
 // (mla_wide64_sm90.cuh); the other (384 threads) the producer / two-consumer body (mla_wide_sm90.cuh). Each instance holds only its own wide body, so
 // that ptxas makes of one what it would alone. An fp8 kpe takes the portable wide body
 // (mla_attention_kernel.cuh).
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   // The wgmma body reads keys as T: from a cache of T, or from an fp8 ckv that its producer
   // converts (kpe in T). An fp8 kpe takes the portable wide body.
   constexpr bool kWgmmaCache = kCache != kCacheFp8CkvKpe;
-  static_assert(!kWide64 || kCache == kCacheAsQuery, "the 64-key body reads 16-bit caches");
+  static_assert(!kWide64 || kCache != kCacheFp8CkvKpe, "the 64-key body reads a 16-bit kpe");
   // A unit start off a box boundary (32 or 64 keys) cannot take the 64-key body's TMA boxes; this
   // library's planner splits at multiples of 64, so only another plan would send one here: the
   // portable body.
@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   if constexpr (kWide64) {
     // The two-warpgroup body of 64-key blocks.
     finish_unit(p, u);
-    attend_unit_wide64<T>(p, maps, u, h0, hb, base);
+    attend_unit_wide64<T, kCache>(p, maps, u, h0, hb, base);
   } else if constexpr (kWgmmaCache) {
     using W = WideSm90;
     constexpr bool kFp8 = kCache == kCacheFp8Ckv;

@@ -598,20 +598,21 @@ __device__ __forceinline__ void wide_rescale(float (&o)[128], const float (&a)[2
 
 // ---- consumers -------------------------------------------------------------------
 
-// fp8 cache: the queries, as the producer staged them (T), turned in place into the types the
-// MMAs read. Row r's latent part times 2^k_r into fp16, its rope part times rope_factor 2^k_r, rounded
-// once to T; k_r brings the row's largest magnitude (latent, and rope times the factor) just under
-// 2^15, so fp16 keeps every value a bf16 query holds down to 2^-24 of that maximum at full precision
-// (smaller ones cannot move a score). scale_log2[e] is divided by 2^k_r for the thread's rows.
-// Both consumers hold the same rows (16 warp + g, + 8) and each reads all of them, so both find the
-// same k_r; each then rewrites half of the chunks, after a barrier that orders every read before the
-// first write. The caller fences and synchronises the consumers before any wgmma reads the panels.
-template <typename T, int HALF>
-__device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp, int lane, float rope_factor,
-                                                         float (&scale_log2)[2]) {
-  using W = WideSm90;
+// fp8 cache: the queries, as staged (T), turned in place into the types the MMAs read. Row r's
+// latent part times 2^k_r into fp16, its rope part times rope_factor 2^k_r, rounded once to T; k_r
+// brings the row's largest magnitude (latent, and rope times the factor) just under 2^15, so fp16
+// keeps every value a bf16 query holds down to 2^-24 of that maximum at full precision (smaller ones
+// cannot move a score). scale_log2[e] is divided by 2^k_r for the thread's rows. `chunk(r, c)` is
+// the shared address of chunk c (0-71: 64 latent, 8 rope) of staged row r, wherever the body keeps
+// it. Both warpgroups of a two-warpgroup body (v5b's consumers, the 64-key body's two) hold the same
+// rows (16 warp + g, + 8) and each reads all of them, so both find the same k_r; each then rewrites
+// half of the chunks, after `sync_both` (a barrier over both warpgroups) orders every read before
+// the first write. The caller fences and synchronises both warpgroups before any wgmma or ldmatrix
+// reads the rows.
+template <typename T, int HALF, typename ChunkAddr, typename SyncBoth>
+__device__ __forceinline__ void wide_prepare_queries_fp8(ChunkAddr chunk, SyncBoth sync_both, int warp, int lane,
+                                                         float rope_factor, float (&scale_log2)[2]) {
   const int g = lane >> 2, t4 = lane & 3;
-  auto addr = [&](int r, int c) { return base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL); };
   float factor[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -619,7 +620,7 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
     float amax_latent = 0.f, amax_rope = 0.f;
 #pragma unroll 2
     for (int c = t4; c < kChunksPerKey; c += 4) {
-      const float m = chunk_amax<T>(ld_shared_v4(addr(r, c)));
+      const float m = chunk_amax<T>(ld_shared_v4(chunk(r, c)));
       if (c < 64) {
         amax_latent = fmaxf(amax_latent, m);
       } else {
@@ -633,7 +634,7 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
     factor[e] = exp2_int(k);
     scale_log2[e] *= exp2_int(-k);
   }
-  named_barrier_sync(W::kConsumers, W::kConsumerThreads);  // every read of the staged rows is done
+  sync_both();  // every read of the staged rows is done
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const int r = 16 * warp + g + 8 * e;
@@ -642,7 +643,7 @@ __device__ __forceinline__ void wide_prepare_queries_fp8(uint32_t base, int warp
       const bool rope = j == 8;
       const int c = rope ? 64 + 4 * HALF + t4 : 32 * HALF + t4 + 4 * j;
       const float f = rope ? factor[e] * rope_factor : factor[e];
-      st_shared_v4(addr(r, c), scale_query_chunk<T>(ld_shared_v4(addr(r, c)), f, rope));
+      st_shared_v4(chunk(r, c), scale_query_chunk<T>(ld_shared_v4(chunk(r, c)), f, rope));
     }
   }
 }
@@ -750,7 +751,10 @@ __device__ __forceinline__ void wide_consumer(const Problem& p, const Unit& u, i
   const CacheScales scales = cache_scales<kCache>(p);
   float scale_log2[2] = {p.scale_log2 * scales.score, p.scale_log2 * scales.score};
   if constexpr (CacheFormat<kCache>::kFp8Ckv) {
-    wide_prepare_queries_fp8<T, HALF>(base, warp, lane, scales.rope_query, scale_log2);
+    wide_prepare_queries_fp8<T, HALF>(
+        [&](int r, int c) { return base + W::Q_OFF + W::chunk_offset(r, c, W::QPANEL); },
+        [] { named_barrier_sync(WideSm90::kConsumers, WideSm90::kConsumerThreads); }, warp, lane, scales.rope_query,
+        scale_log2);
   }
   fence_proxy_async_shared();  // the query panels reach wgmma's reads
   if constexpr (CacheFormat<kCache>::kFp8Ckv) named_barrier_sync(W::kConsumers, W::kConsumerThreads);

@@ -159,43 +159,42 @@ __device__ __forceinline__ Wide64Rows wide64_block_rows(const Problem& p, const 
   return b;
 }
 
-// Tiles [T0, T1) of a block into buffer `buf`: one box per tile (or two of 32 keys), completion
-// counted in bytes on the tile's barrier. The first box is loaded L2 evict-first: the keys are read
-// by this block and by its neighbour (the unit's other head block) at about the same time, then
-// never again; 0.3% (64 x 8192 x 128 heads) to 4.5% (1 x 32768) faster than the default policy
-// (NOTES.md, "third session"; the second box of pages of 32 keys was not measured so). One thread
-// issues them.
+// Tile t of buffer `buf` from columns [col, col + 128 bytes) of `map` at the block's rows: one box
+// (or two of 32 keys), completion counted in bytes on the tile's barrier. The first box is loaded L2
+// evict-first: the keys are read by this block and by its neighbour (the unit's other head block) at
+// about the same time, then never again; 0.3% (64 x 8192 x 128 heads) to 4.5% (1 x 32768) faster than
+// the default policy (NOTES.md, "third session"; the second box of pages of 32 keys was not measured
+// so). One thread issues it.
+__device__ __forceinline__ void wide64_load_tile(const KeyTensorMaps& maps, uint32_t base, int buf, int t,
+                                                 const void* map, int col, const Wide64Rows& b) {
+  using W = Wide64Sm90;
+  const uint32_t dst = W::buf_addr(base, buf) + t * W::TILE, bar = W::full_bar(base, buf, t);
+  mbar_arrive_expect_tx(bar, W::TILE);
+  tma_load_2d_evict_first(dst, map, col, b.row[0], bar);
+  if (maps.box_rows != W::BK) tma_load_2d(dst + W::TILE / 2, map, col, b.row[1], bar);
+}
+
+// Tiles [T0, T1) of a block into buffer `buf`, each in its final place (16-bit latent panels of 64
+// dims, the rope tile).
 template <int T0, int T1>
 __device__ __forceinline__ void wide64_load_tiles(const KeyTensorMaps& maps, uint32_t base, int buf,
                                                   const Wide64Rows& b) {
   using W = Wide64Sm90;
-  const uint32_t dst = W::buf_addr(base, buf);
 #pragma unroll
   for (int t = T0; t < T1; ++t) {
-    const uint32_t bar = W::full_bar(base, buf, t);
     const void* map = t == W::ROPE_TILE ? (const void*)&maps.kpe : (const void*)&maps.ckv;
-    const int col = t == W::ROPE_TILE ? 0 : 64 * t;
-    mbar_arrive_expect_tx(bar, W::TILE);
-    tma_load_2d_evict_first(dst + t * W::TILE, map, col, b.row[0], bar);
-    if (maps.box_rows != W::BK) tma_load_2d(dst + t * W::TILE + W::TILE / 2, map, col, b.row[1], bar);
+    wide64_load_tile(maps, base, buf, t, map, t == W::ROPE_TILE ? 0 : 64 * t, b);
   }
 }
 
 // fp8 cache: a block's raw e4m3 latent (four panels of 64 keys x 128 bytes, the fp8 map's boxes,
-// 128-byte swizzle) into tiles raw_tile0(buf) .. + 3 of buffer `buf`, each counted on its tile's
-// full barrier, as wide64_load_tiles does (the rope tile goes by wide64_load_tiles<8, 9>).
+// 128-byte swizzle) into tiles raw_tile0(buf) .. + 3 of buffer `buf` (the rope tile goes by
+// wide64_load_tiles<8, 9>).
 __device__ __forceinline__ void wide64_load_raw(const KeyTensorMaps& maps, uint32_t base, int buf,
                                                 const Wide64Rows& b) {
   using W = Wide64Sm90;
-  const uint32_t dst = W::buf_addr(base, buf);
 #pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int t = W::raw_tile0(buf) + q;
-    const uint32_t bar = W::full_bar(base, buf, t);
-    mbar_arrive_expect_tx(bar, W::TILE);
-    tma_load_2d_evict_first(dst + t * W::TILE, &maps.ckv, 128 * q, b.row[0], bar);
-    if (maps.box_rows != W::BK) tma_load_2d(dst + t * W::TILE + W::TILE / 2, &maps.ckv, 128 * q, b.row[1], bar);
-  }
+  for (int q = 0; q < 4; ++q) wide64_load_tile(maps, base, buf, W::raw_tile0(buf) + q, &maps.ckv, 128 * q, b);
 }
 
 // fp8 cache: a block's raw latent turned into the eight 16-bit tiles the MMAs read (MT: fp16, exact),

@@ -40,8 +40,9 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   const int hb = min(kRowsPerTile, p.num_heads - h0);
   const int rows = u.q_len * hb;
   if (rows > kRowsPerTile) return;  // cannot happen with q_len <= q_tile; keeps tiles in bounds
-  // The wgmma body reads keys as T: from a cache of T, or from an fp8 ckv that its producer
-  // converts (kpe in T). An fp8 kpe takes the portable wide body.
+  // The wgmma bodies read keys as T: from a cache of T, or from an fp8 ckv turned into fp16 in
+  // shared memory (by v5b's producer, or in its buffer by the 64-key body; kpe in T). An fp8 kpe
+  // takes the portable wide body.
   constexpr bool kWgmmaCache = kCache != kCacheFp8CkvKpe;
   static_assert(!kWide64 || kCache != kCacheFp8CkvKpe, "the 64-key body reads a 16-bit kpe");
   // A unit start off a box boundary (32 or 64 keys) cannot take the 64-key body's TMA boxes; this

@@ -5,11 +5,13 @@
 //
 // Status: the sm_90a kernel's body for these units since 2026-12-03 (-DJAX_MLA_NARROW_FP8_MMA_SYNC,
 // CMake option JAX_MLA_NARROW_FP8_MMA_SYNC, puts them back on the mma.sync body for A/B runs).
-// Standalone driver, H200, op / attention alone, us: 90.5 / 85.1 at 128 x 4096 x 16 heads, 169.8 /
-// 183.1 at 256 x U[1, 8192], 40.0 / 30.6 at 1 x 131072; the mma.sync body 111.1 / 106.9, 212.9 /
-// 211.4, 41.3 / 33.0. Whole 32-key halves by TMA instead of the cp.async gathers were slower (removed).
-// ffi/cuda/NOTES.md ("S on e4m3 wgmma", "Keys evict-first", "The e4m3 wgmma body becomes the
-// default") has the numbers.
+// Since 2026-12-03 (fourteenth session) the 384-thread kernel instance keeps its third warpgroup as
+// the gatherer of both (kProducer; -DJAX_MLA_NARROW_FP8_NO_PRODUCER sends it away, an A/B switch):
+// standalone driver, H200, op us: 89.7 at 128 x 4096 x 16 heads, 170.8 at 256 x U[1, 8192], 38.7 at
+// 1 x 131072; without the producer 92.1, 176.5, 40.9 (the mma.sync body, earlier: 111.1, 212.9, 41.3). Whole
+// 32-key halves by TMA instead of the cp.async gathers were slower (removed). ffi/cuda/NOTES.md ("S on
+// e4m3 wgmma", "Keys evict-first", "The e4m3 wgmma body becomes the default", "A producer warpgroup
+// for the fp8 narrow body") has the numbers.
 //
 // Why. The mma.sync narrow body with an fp8 ckv (mla_narrow_kernel.cuh, "fp8 in registers") is
 // bound by its own instruction stream: eight warps run its steps in lock step between three block
@@ -31,9 +33,11 @@
 //     added into O in float32. Warp w of the warpgroup holds dims 64 j + 16 w + {2g, 2g + 1} of
 //     every output tile j (8 tiles of 64 dims x 16 rows, 64 floats a thread).
 //   * The two warpgroups are two independent pipelines over the unit's even and odd blocks, each
-//     with its own two stages, cp.async gathers, page-id ring, running max and sum and O, and its
-//     own named barriers: one warpgroup's softmax and exchanges overlap the other's MMAs. Their
-//     halves meet once, in the epilogue.
+//     with its own two stages, running max and sum and O, and its own named barriers: one
+//     warpgroup's softmax and exchanges overlap the other's MMAs. Their halves meet once, in the
+//     epilogue. The blocks' cp.async gathers (and page ids) are the third warpgroup's where the
+//     kernel has one (384 threads): it fills the four stages in the unit's block order, on full and
+//     empty mbarriers. In the 256-thread instance each warpgroup gathers its own next block.
 // The row maxima cross the warpgroup's four warps through shared memory once a block (each warp
 // holds 16 keys of every row); the row sums stay per thread until the epilogue.
 //
@@ -74,7 +78,18 @@ struct NarrowFp8Sm90 {
   static constexpr int LSTAT_OFF = MSTAT_OFF + 2 * ROWS * 4;          // float [warpgroup][warp][16]: sums
   static constexpr int KEY_OK_OFF = LSTAT_OFF + 2 * 4 * ROWS * 4;     // u8 [warpgroup][stage][BK]
   static constexpr int RING_OFF = KEY_OK_OFF + 2 * STAGES * BK;       // int [warpgroup][RING][BK]
-  static constexpr int BYTES = RING_OFF + 2 * RING * BK * 4;
+  // With a producer warpgroup (attend_unit_narrow_fp8_sm90<T, true>): one ring of 2 RING slots (unit
+  // block mod 2 RING) over the same bytes, and mbarriers: full and empty per [warpgroup][stage], and
+  // the staging rows' "free" (the queries have left them).
+  static constexpr int MBAR_OFF = RING_OFF + 2 * RING * BK * 4;
+  static constexpr int BYTES = MBAR_OFF + 9 * 8;
+  static __device__ __forceinline__ uint32_t full_bar(uint32_t base, int wg, int stage) {
+    return base + MBAR_OFF + 8 * (2 * wg + stage);
+  }
+  static __device__ __forceinline__ uint32_t empty_bar(uint32_t base, int wg, int stage) {
+    return base + MBAR_OFF + 32 + 8 * (2 * wg + stage);
+  }
+  static __device__ __forceinline__ uint32_t staging_free_bar(uint32_t base) { return base + MBAR_OFF + 64; }
   static constexpr int SMEM_BYTES = BYTES + 1024 - 16;  // room to align the base
   // The queries' staging rows (kNarrowRowBytes each): warpgroup 1's second stage, first gathered
   // into after the queries have moved to their panels.
@@ -82,6 +97,7 @@ struct NarrowFp8Sm90 {
 
   static_assert(ROWS * kNarrowRowBytes <= STAGE, "the queries are staged in one stage");
   static_assert(2 * 16 * 128 * 4 <= P_OFF - QP_OFF, "a round of the epilogue's O exchange fits in the query panels");
+  static_assert(MBAR_OFF % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(SLAB % 1024 == 0 && QP_OFF % 1024 == 0 && P_OFF % 1024 == 0 && PANEL % 1024 == 0,
                 "swizzle atoms stay aligned");
 };
@@ -106,7 +122,9 @@ __device__ __forceinline__ void vt_e4m3_fragment(uint32_t (&a)[4], const uint32_
   a[3] = __byte_perm(vb[2], vb[3], 0x7531);
 }
 
-template <typename T>
+// kProducer: the kernel's third warpgroup (384 threads) gathers every block for both, ahead of them
+// (below); without it (the 256-thread instance) each warpgroup gathers its own next block.
+template <typename T, bool kProducer = false>
 __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Unit u, int h0, int hb,
                                                             char* smem) {
   using N = NarrowFp8Sm90;
@@ -121,7 +139,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
   const int bar = 1 + wg;  // this warpgroup's named barrier
 #ifdef JAX_MLA_TRACE  // (mla_common.cuh) row 0: start, page ids, queries, panels, loop end, stored;
   // row 1 + i: top, block i landed, S, maxima shared, P in its panel, P V done
-  const int trace_slot = jax_mla_trace_slot(wg, warp, lane, kTraceNarrowFp8);
+  const int trace_slot = wg < 2 ? jax_mla_trace_slot(wg, warp, lane, kTraceNarrowFp8) : -1;
 #endif
   // Both warpgroups: a named barrier of 256 threads (the kernel's third warpgroup has left).
   constexpr int kBothWarpgroups = 3;
@@ -156,23 +174,87 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
         [&](int kl, int c) { return fp8_slab_chunk(stage, kl, c - C0); });
   };
 
-  // ---- prologue (both warpgroups): page ids of local blocks 0-2, the queries, block 0 ----
+  if constexpr (kProducer) {
+    if (tid == 0) {
+      for (int w = 0; w < 2; ++w)
+        for (int st = 0; st < N::STAGES; ++st) {
+          // Full: every producer thread twice, once when its copies land (noinc) and once to publish
+          // its key flags. Empty: every thread of the stage's warpgroup, its block done.
+          mbar_init(N::full_bar(base, w, st), 256);
+          mbar_init(N::empty_bar(base, w, st), 128);
+        }
+      mbar_init(N::staging_free_bar(base), 1);
+      mbar_init_fence();
+    }
+    __syncthreads();
+    if (wg == 2) {
+      release_registers<40>();
+      // ---- the producer: block j of the unit into stage (j / 2) % 2 of warpgroup j % 2 ----
+      // Its page ids come L blocks ahead through one ring of 2 RING slots (unit block mod 2 RING).
+      // Each thread's copies arrive on the stage's full barrier as they land; the consumer's proxy
+      // fence after its wait makes them visible to wgmma (as v5's producer and consumers do,
+      // mla_wide_sm90.cuh). A stage is refilled once its warpgroup has arrived on its empty barrier.
+      constexpr int L = 4, PRING = 2 * N::RING;
+      static_assert(L < PRING, "a block's page-id slot outlives its gather");
+      const int ptid = tid - 256;
+      int* pring = reinterpret_cast<int*>(gbase + N::RING_OFF);
+      unsigned char* ok_all = reinterpret_cast<unsigned char*>(gbase + N::KEY_OK_OFF);
+      const int bound = early_key_bound(p, u);
+      // A group a block, here and in the loop, so that block j's page ids are always L - 1 groups back.
 #pragma unroll 1
-  for (int i = 0; i < 3; ++i) fetch_pages(i);
-  cp_async_commit();
+      for (int j = 0; j < L; ++j) {
+        fetch_page_ids<N::BK, PRING>(p, pt_row, pring, kv_begin, j, INT_MAX, bound, ptid);
+        cp_async_commit();
+      }
+      finish_unit(p, u);
+      const int nb = (u.range_end - kv_begin + N::BK - 1) / N::BK;
+#pragma unroll 1
+      for (int j = 0; j < nb; ++j) {
+        const int w = j & 1, i = j >> 1, st = i & 1;
+        cp_async_wait<L - 1>();       // block j's page ids (a group L back; at most L - 1 newer ones)
+        named_barrier_sync(4, 128);   // from every producer thread
+        if (i >= 2) mbar_wait(N::empty_bar(base, w, st), ((i >> 1) - 1) & 1);  // local block i - 2 done
+        if (j == 3) mbar_wait(N::staging_free_bar(base), 0);  // warpgroup 1's stage 1 held the queries
+        fetch_page_ids<N::BK, PRING>(p, pt_row, pring, kv_begin, j + L, nb, u.range_end, ptid);
+        const uint32_t stage = base + N::KV_OFF + (w * N::STAGES + st) * N::STAGE;
+        gather_key_block<kCache, N::BK, PRING, N::BK / 16, 16>(
+            p, u, pring, ok_all + w * N::STAGES * N::BK, kv_begin, j, st, ptid,
+            [&](int kl, int c) { return fp8_slab_chunk(stage, kl, c - C0); });
+        cp_async_commit();
+        mbar_arrive_on_cp_async(N::full_bar(base, w, st));
+        mbar_arrive(N::full_bar(base, w, st));  // publishes the key flags
+      }
+      cp_async_wait<0>();
+      return;
+    }
+    claim_registers<232>();
+  }
+
+  // ---- prologue (both warpgroups): page ids of local blocks 0-2, the queries, block 0 ----
+  if constexpr (!kProducer) {
+#pragma unroll 1
+    for (int i = 0; i < 3; ++i) fetch_pages(i);
+    cp_async_commit();
+  }
   load_query_tile<T, N::ROWS, kThreads>(p, u, h0, hb, rows, tid, [&](int r, int c) { return s_q + swz(r, c); });
   cp_async_commit();
   finish_unit(p, u);
   key_bound = u.range_end;
   num_blocks = (u.range_end - kv_begin + N::BK - 1) / N::BK;
   const int my_blocks = num_blocks > wg ? (num_blocks - wg + 1) / 2 : 0;
-  cp_async_wait<1>();  // the page ids
-  named_barrier_sync(kBothWarpgroups, 256);
-  JAX_MLA_TRACE_AT(0, 1);
-  if (my_blocks > 0) issue_block(0);
-  cp_async_commit();
-  cp_async_wait<1>();  // the queries (block 0 may still be in flight)
-  named_barrier_sync(kBothWarpgroups, 256);
+  if constexpr (kProducer) {
+    cp_async_wait<0>();  // the queries
+    named_barrier_sync(kBothWarpgroups, 256);
+    JAX_MLA_TRACE_AT(0, 1);
+  } else {
+    cp_async_wait<1>();  // the page ids
+    named_barrier_sync(kBothWarpgroups, 256);
+    JAX_MLA_TRACE_AT(0, 1);
+    if (my_blocks > 0) issue_block(0);
+    cp_async_commit();
+    cp_async_wait<1>();  // the queries (block 0 may still be in flight)
+    named_barrier_sync(kBothWarpgroups, 256);
+  }
   JAX_MLA_TRACE_AT(0, 2);
   {
     float rs2[2];
@@ -209,6 +291,10 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
   }
   fence_proxy_async_shared();  // the panels reach wgmma's reads
   named_barrier_sync(kBothWarpgroups, 256);
+  // The staging rows are free: the producer may fill warpgroup 1's stage 1 (unit block 3).
+  if constexpr (kProducer) {
+    if (tid == 0 && num_blocks > 3) mbar_arrive(N::staging_free_bar(base));
+  }
   JAX_MLA_TRACE_AT(0, 3);
 
   // ---- per thread: rows R[k] of the accumulators (S^T's and O^T's columns; acc_row) ----
@@ -239,13 +325,21 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     // flight per warpgroup while the other computes. Issued before the wait (two in flight, behind a
     // barrier that frees block i - 1's stage) it was at most 1.5% faster (ffi/cuda/NOTES.md, "Keys
     // evict-first": the body is bound by its own work).
-    cp_async_wait<0>();
-    fence_proxy_async_shared();
-    named_barrier_sync(bar, 128);
-    JAX_MLA_TRACE_AT(i + 1, 1);
-    if (i + 1 < my_blocks) issue_block(i + 1);
-    fetch_pages(i + 3);
-    cp_async_commit();
+    if constexpr (kProducer) {
+      // The producer's copies and key flags of block i. No warpgroup barrier here: the maxima's
+      // barrier below orders the P panel and maxima slots of this parity after block i - 2's reads.
+      mbar_wait(N::full_bar(base, wg, i & 1), (i >> 1) & 1);
+      fence_proxy_async_shared();
+      JAX_MLA_TRACE_AT(i + 1, 1);
+    } else {
+      cp_async_wait<0>();
+      fence_proxy_async_shared();
+      named_barrier_sync(bar, 128);
+      JAX_MLA_TRACE_AT(i + 1, 1);
+      if (i + 1 < my_blocks) issue_block(i + 1);
+      fetch_pages(i + 3);
+      cp_async_commit();
+    }
     const int stage = i & 1;
     const int key0 = kv_begin + blk * N::BK;
 
@@ -422,19 +516,24 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
       }
     }
     JAX_MLA_TRACE_AT(i + 1, 5);
+    // The stage is read (every wgmma of this thread has completed): the producer may refill it,
+    // where it will (an arrival nobody waits for would leave a phase open).
+    if constexpr (kProducer) {
+      if (i + 2 < my_blocks) mbar_arrive(N::empty_bar(base, wg, i & 1));
+    }
     // Nothing stays in flight across a back edge: with P V running into the next block, ptxas
     // serialised every wgmma of the kernel (C7514: the loop's register moves read O). The other
     // warpgroup's work covers these waits.
   }
   JAX_MLA_TRACE_AT(0, 4);
   cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
-  // With an odd block count warpgroup 1 has one block fewer. It passes that block's three barriers
-  // anyway, so that both warpgroups reach the epilogue after the same number of barriers of their
-  // own: only then does compute-sanitizer's racecheck see the epilogue's barriers of both warpgroups
+  // With an odd block count warpgroup 1 has one block fewer. It passes that block's barriers anyway
+  // (three; two with the producer), so that both warpgroups reach the epilogue after the same number
+  // of barriers of their own: only then does compute-sanitizer's racecheck see the epilogue's barriers of both warpgroups
   // order their accesses (it reported ~17,000 hazards there without this; ffi/cuda/NOTES.md, "The e4m3
   // wgmma body becomes the default"). A few cycles, once a unit.
   for (int i = my_blocks; i < (num_blocks + 1) / 2; ++i) {
-    named_barrier_sync(bar, 128);
+    if constexpr (!kProducer) named_barrier_sync(bar, 128);
     named_barrier_sync(bar, 128);
     named_barrier_sync(bar, 128);
   }

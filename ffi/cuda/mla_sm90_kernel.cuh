@@ -53,6 +53,16 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   // third hands them its registers (the bodies want more than the 168 a thread gets at entry) and
   // leaves.
   if (rows <= 16 || portable) {
+#if defined(JAX_MLA_HAS_WGMMA) && !defined(JAX_MLA_NARROW_FP8_MMA_SYNC) && !defined(JAX_MLA_NARROW_FP8_NO_PRODUCER)
+    // An fp8 ckv in the 384-thread instance: the third warpgroup stays, as the body's producer
+    // (-DJAX_MLA_NARROW_FP8_NO_PRODUCER: it leaves, and the two gather for themselves; an A/B switch).
+    if constexpr (kCache == kCacheFp8Ckv && !kWide64) {
+      if (rows <= 16) {
+        attend_unit_narrow_fp8_sm90<T, true>(p, u, h0, hb, smem);
+        return;
+      }
+    }
+#endif
     if constexpr (!kWide64) {
       if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
         release_registers<24>();

@@ -8,10 +8,10 @@
 // Since 2026-12-03 (fourteenth session) the 384-thread kernel instance keeps its third warpgroup as
 // the gatherer of both (kProducer; -DJAX_MLA_NARROW_FP8_NO_PRODUCER sends it away, an A/B switch):
 // standalone driver, H200, op us: 89.7 at 128 x 4096 x 16 heads, 170.8 at 256 x U[1, 8192], 38.7 at
-// 1 x 131072; without the producer 92.1, 176.5, 40.9 (the mma.sync body, earlier: 111.1, 212.9, 41.3). Whole
-// 32-key halves by TMA instead of the cp.async gathers were slower (removed). ffi/cuda/NOTES.md ("S on
-// e4m3 wgmma", "Keys evict-first", "The e4m3 wgmma body becomes the default", "A producer warpgroup
-// for the fp8 narrow body") has the numbers.
+// 1 x 131072; without the producer 92.1, 176.5, 40.9 (the mma.sync body, earlier: 111.1, 212.9,
+// 41.3). Whole 32-key halves by TMA instead of the cp.async gathers were slower (removed).
+// ffi/cuda/NOTES.md ("S on e4m3 wgmma", "Keys evict-first", "The e4m3 wgmma body becomes the
+// default", "A producer warpgroup for the fp8 narrow body") has the numbers.
 //
 // Why. The mma.sync narrow body with an fp8 ckv (mla_narrow_kernel.cuh, "fp8 in registers") is
 // bound by its own instruction stream: eight warps run its steps in lock step between three block
@@ -529,9 +529,9 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
   cp_async_wait<0>();  // only empty groups can remain; leave nothing in flight
   // With an odd block count warpgroup 1 has one block fewer. It passes that block's barriers anyway
   // (three; two with the producer), so that both warpgroups reach the epilogue after the same number
-  // of barriers of their own: only then does compute-sanitizer's racecheck see the epilogue's barriers of both warpgroups
-  // order their accesses (it reported ~17,000 hazards there without this; ffi/cuda/NOTES.md, "The e4m3
-  // wgmma body becomes the default"). A few cycles, once a unit.
+  // of barriers of their own: only then does compute-sanitizer's racecheck see the epilogue's
+  // barriers of both warpgroups order their accesses (it reported ~17,000 hazards there without this;
+  // ffi/cuda/NOTES.md, "The e4m3 wgmma body becomes the default"). A few cycles, once a unit.
   for (int i = my_blocks; i < (num_blocks + 1) / 2; ++i) {
     if constexpr (!kProducer) named_barrier_sync(bar, 128);
     named_barrier_sync(bar, 128);

@@ -49,36 +49,38 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   // library's planner splits at multiples of 64, so only another plan would send one here: the
   // portable body.
   const bool portable = !kWgmmaCache || (kWide64 && !wide64_takes(maps, u));
+  // An fp8 ckv's narrow units on sm_90a take the transposed e4m3 wgmma body (mla_narrow_fp8_sm90.cuh;
+  // -DJAX_MLA_NARROW_FP8_MMA_SYNC keeps the mma.sync body for them instead, an A/B of the two). In the
+  // 384-thread instance its third warpgroup stays, as the body's producer
+  // (-DJAX_MLA_NARROW_FP8_NO_PRODUCER: it leaves, and the two gather for themselves; an A/B switch).
+#if defined(JAX_MLA_HAS_WGMMA) && !defined(JAX_MLA_NARROW_FP8_MMA_SYNC)
+  constexpr bool kNarrowFp8Wgmma = kCache == kCacheFp8Ckv;
+#else
+  constexpr bool kNarrowFp8Wgmma = false;
+#endif
+#ifdef JAX_MLA_NARROW_FP8_NO_PRODUCER
+  constexpr bool kNarrowFp8Producer = false;
+#else
+  constexpr bool kNarrowFp8Producer = kNarrowFp8Wgmma && !kWide64;
+#endif
   // The narrow body (and the portable wide body) are two warpgroups; in the 384-thread instance the
   // third hands them its registers (the bodies want more than the 168 a thread gets at entry) and
-  // leaves.
+  // leaves, unless it is the fp8 narrow body's producer.
   if (rows <= 16 || portable) {
-#if defined(JAX_MLA_HAS_WGMMA) && !defined(JAX_MLA_NARROW_FP8_MMA_SYNC) && !defined(JAX_MLA_NARROW_FP8_NO_PRODUCER)
-    // An fp8 ckv in the 384-thread instance: the third warpgroup stays, as the body's producer
-    // (-DJAX_MLA_NARROW_FP8_NO_PRODUCER: it leaves, and the two gather for themselves; an A/B switch).
-    if constexpr (kCache == kCacheFp8Ckv && !kWide64) {
-      if (rows <= 16) {
-        attend_unit_narrow_fp8_sm90<T, true>(p, u, h0, hb, smem);
-        return;
-      }
-    }
-#endif
     if constexpr (!kWide64) {
-      if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
-        release_registers<24>();
-        return;
+      if (!(kNarrowFp8Producer && rows <= 16)) {
+        if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
+          release_registers<24>();
+          return;
+        }
+        claim_registers<232>();
       }
-      claim_registers<232>();
     }
     if (rows <= 16) {
-#if defined(JAX_MLA_HAS_WGMMA) && !defined(JAX_MLA_NARROW_FP8_MMA_SYNC)
-      // An fp8 ckv: the transposed e4m3 wgmma body (mla_narrow_fp8_sm90.cuh). -DJAX_MLA_NARROW_FP8_MMA_SYNC
-      // keeps the mma.sync body for it instead (an A/B of the two).
-      if constexpr (kCache == kCacheFp8Ckv) {
-        attend_unit_narrow_fp8_sm90<T>(p, u, h0, hb, smem);
+      if constexpr (kNarrowFp8Wgmma) {
+        attend_unit_narrow_fp8_sm90<T, kNarrowFp8Producer>(p, u, h0, hb, smem);
         return;
       }
-#endif
       attend_unit_narrow<T, NarrowShapeFor<kCache>, kCache>(p, u, h0, hb, smem);
     } else if constexpr (!kWgmmaCache || kWide64) {
       finish_unit(p, u);

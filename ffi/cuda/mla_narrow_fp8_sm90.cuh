@@ -230,7 +230,8 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     claim_registers<232>();
   }
 
-  // ---- prologue (both warpgroups): page ids of local blocks 0-2, the queries, block 0 ----
+  // ---- prologue (both warpgroups): the queries; without the producer also the page ids of local
+  // blocks 0-2 and block 0 ----
   if constexpr (!kProducer) {
 #pragma unroll 1
     for (int i = 0; i < 3; ++i) fetch_pages(i);

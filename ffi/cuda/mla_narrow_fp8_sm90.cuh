@@ -96,7 +96,7 @@ struct NarrowFp8Sm90 {
   static constexpr int STAGING_OFF = KV_OFF + 3 * STAGE;
 
   static_assert(ROWS * kNarrowRowBytes <= STAGE, "the queries are staged in one stage");
-  static_assert(2 * 16 * 128 * 4 <= P_OFF - QP_OFF, "a round of the epilogue's O exchange fits in the query panels");
+  static_assert(2 * 32 * 128 * 4 <= 2 * STAGES * STAGE, "the epilogue's O exchange fits in the stages");
   static_assert(MBAR_OFF % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(SLAB % 1024 == 0 && QP_OFF % 1024 == 0 && P_OFF % 1024 == 0 && PANEL % 1024 == 0,
                 "swizzle atoms stay aligned");
@@ -552,8 +552,10 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     }
   }
   named_barrier_sync(kBothWarpgroups, 256);  // both warpgroups are done: stages, panels, sums
-  // Warpgroup 0 combines and stores tiles 0-3, warpgroup 1 tiles 4-7: in two rounds of two tiles,
-  // each hands the other its two through the query panels (every wgmma has completed).
+  // Warpgroup 0 combines and stores tiles 0-3, warpgroup 1 tiles 4-7, in one round: each hands the
+  // other its four through the stages (every block has been read and every wgmma has completed). Two
+  // rounds through the query panels, one barrier more, made the op 0.6-0.9 us slower on the fp8 timing
+  // shapes (ffi/cuda/NOTES.md, "The epilogue in one round").
   float comb_m[4], comb_l[4], a_own[4], a_other[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -572,26 +574,23 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     a_own[k] = wg == 0 ? a0 : a1;
     a_other[k] = wg == 0 ? a1 : a0;
   }
-  float* xbuf = reinterpret_cast<float*>(gbase + N::QP_OFF);  // float [warpgroup][16][128]
-  const float* x_in = xbuf + (1 - wg) * 16 * 128;
+  {
+    float* xbuf = reinterpret_cast<float*>(gbase + N::KV_OFF);  // float [warpgroup][32 dims][128 threads]
+    const float* x_in = xbuf + (1 - wg) * 32 * 128;
 #pragma unroll
-  for (int round = 0; round < 2; ++round) {
-    if (round > 0) named_barrier_sync(kBothWarpgroups, 256);  // the last round's halves are read
+    for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
-    for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        xbuf[(wg * 16 + jj * 8 + e) * 128 + wtid] = wg == 0 ? o[4 + 2 * round + jj][e] : o[2 * round + jj][e];
+      for (int e = 0; e < 8; ++e) xbuf[(wg * 32 + jj * 8 + e) * 128 + wtid] = wg == 0 ? o[4 + jj][e] : o[jj][e];
     named_barrier_sync(kBothWarpgroups, 256);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int r = R[k];
       if (r >= rows) continue;
       const int e0 = (k & 1) + 4 * (k >> 1);  // dims 2g (e0) and 2g + 1 (e0 + 2) of row r
-      store_tile_row<T, 2, 1, 32>(p, u, h0, hb, r, 256 * wg + 128 * round + 16 * warp + 2 * g, comb_l[k], comb_m[k],
-                                  scales.out, round == 0 && wg == 0 && warp == 0 && g == 0, [&](int jj) {
-                                    const float x = wg == 0 ? o[2 * round + jj][e0] : o[4 + 2 * round + jj][e0];
-                                    const float y = wg == 0 ? o[2 * round + jj][e0 + 2] : o[4 + 2 * round + jj][e0 + 2];
+      store_tile_row<T, 4, 1, 32>(p, u, h0, hb, r, 256 * wg + 16 * warp + 2 * g, comb_l[k], comb_m[k], scales.out,
+                                  wg == 0 && warp == 0 && g == 0, [&](int jj) {
+                                    const float x = wg == 0 ? o[jj][e0] : o[4 + jj][e0];
+                                    const float y = wg == 0 ? o[jj][e0 + 2] : o[4 + jj][e0 + 2];
                                     const float* other = x_in + jj * 8 * 128 + wtid;
                                     return make_float2(x * a_own[k] + other[e0 * 128] * a_other[k],
                                                        y * a_own[k] + other[(e0 + 2) * 128] * a_other[k]);

@@ -268,6 +268,13 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
             tags=_tags("small", "sweep")),
     ArgSpec(128, 64, (1, 2, 1), (300, 129, 40), kv_dtype="float8_e4m3fn", bad_pages=True, split=True,
             tags=_tags("small", "sweep")),
+    # (after it) fp8 narrow units on TMA pages (mla_narrow_fp8_sm90.cuh's producer issues 32-key boxes):
+    # pages of 32 keys with page ids outside the cache, 8 heads x 2 tokens, long unsplit ranges ending
+    # inside a box; pages of 128 keys, split
+    ArgSpec(8, 32, (2, 1, 1), (700, 97, 33), kv_dtype="float8_e4m3fn", bad_pages=True, whole=True,
+            tags=_tags("small", "sweep")),
+    ArgSpec(16, 128, (1, 1), (1500, 130), dtype="float16", kv_dtype="float8_e4m3fn", split=True,
+            tags=_tags("small", "sweep")),
 )
 
 

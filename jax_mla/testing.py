@@ -49,6 +49,20 @@ def random_paged_batch(rng: np.random.Generator, qo_lens, kv_lens, *, num_heads,
                       qo_lens=qo_lens, kv_lens_host=kv_lens, page_table_host=table)
 
 
+def poison_unseen(cache, page_table, kv_lens, page_size):
+    """NaN in every cache slot that no request may read under `kv_lens`."""
+    page_table = np.asarray(page_table)
+    num_pages = cache.shape[0]
+    capacity = page_table.shape[1] * page_size
+    seen = np.zeros((num_pages, page_size), bool)
+    for r, n in enumerate(np.clip(np.asarray(kv_lens)[: page_table.shape[0]], 0, capacity)):
+        pos = np.arange(n)
+        pages = page_table[r, pos // page_size]
+        ok = (pages >= 0) & (pages < num_pages)
+        seen[pages[ok], (pos % page_size)[ok]] = True
+    return jnp.where(jnp.asarray(seen)[..., None], cache, jnp.nan).astype(cache.dtype)
+
+
 def rel_err(x, ref) -> float:
     x = np.asarray(x, np.float64)
     ref = np.asarray(ref, np.float64)

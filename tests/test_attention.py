@@ -24,7 +24,7 @@ from jax_mla import _ffi
 from jax_mla.attention import CUDA_DIMS
 from jax_mla.planner import (KV_END_OPEN, M_NUM_SPLITS, M_QLEN, W_KV_END, W_KV_START, W_PARTIAL_ROW, W_QLEN,
                              W_REQUEST)
-from jax_mla.testing import (assert_nan_rows_match, no_split_target, random_paged_batch, rel_err,
+from jax_mla.testing import (assert_nan_rows_match, no_split_target, poison_unseen, random_paged_batch, rel_err,
                              split_target)
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
@@ -72,20 +72,6 @@ def ragged_lengths(rng, num_requests: int, max_kv: int = 600):
     kv[0] = qo[0]
     qo[1] = kv[1] = 0
     return qo, kv
-
-
-def poison_unseen(cache, page_table, kv_lens, page_size):
-    """NaN in every cache slot that no request may read under `kv_lens`."""
-    page_table = np.asarray(page_table)
-    num_pages = cache.shape[0]
-    capacity = page_table.shape[1] * page_size
-    seen = np.zeros((num_pages, page_size), bool)
-    for r, n in enumerate(np.clip(np.asarray(kv_lens)[: page_table.shape[0]], 0, capacity)):
-        pos = np.arange(n)
-        pages = page_table[r, pos // page_size]
-        ok = (pages >= 0) & (pages < num_pages)
-        seen[pages[ok], (pos % page_size)[ok]] = True
-    return jnp.where(jnp.asarray(seen)[..., None], cache, jnp.nan).astype(cache.dtype)
 
 
 def check_against_reference(batch, plan, *, page_table=None, kv_lens=None, return_lse=True):

@@ -11,7 +11,7 @@ import pytest
 from jax_mla import (FP8_DTYPE, PlanTarget, append_paged_kv, fp8_scale, mla_paged_attention,
                      mla_paged_attention_reference, plan_mla, quantize_fp8)
 from jax_mla._ffi import has_ffi
-from jax_mla.testing import assert_nan_rows_match, random_paged_batch, rel_err, split_target
+from jax_mla.testing import assert_nan_rows_match, poison_unseen, random_paged_batch, rel_err, split_target
 
 SCALE = 0.0723
 CKV_SCALE = 0.0125  # fp8 values of ~N(0, 80): the cache's values are ~N(0, 1)
@@ -106,6 +106,30 @@ def test_fp8_wide_units_on_tma_pages_match_reference(rng, heads, page_size, qo, 
     ref, ref_lse = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
     assert rel_err(out, ref) < 3e-3
     ok = ~np.isneginf(np.asarray(ref_lse))
+    np.testing.assert_allclose(np.asarray(lse)[ok], np.asarray(ref_lse)[ok], atol=5e-3)
+
+
+@pytest.mark.parametrize("page_size", [32, 64, 128])
+@pytest.mark.parametrize("heads, qo", [(16, [1, 1, 1, 1]), (8, [2, 1, 2, 0])], ids=["h16", "h8q2"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_fp8_narrow_units_on_tma_pages_never_read_past_the_length(rng, page_size, heads, qo, split):
+    """Narrow fp8 units on pages of >= 32 keys (on sm_90a their blocks come as whole TMA boxes of 32 keys,
+    mla_narrow_fp8_sm90.cuh): every cache slot past a request's length holds NaN (e4m3 NaN in ckv, NaN
+    in kpe), lengths end inside a box and inside a page, so a kernel that multiplies such a row, even by
+    a zero weight, gives NaN. The reference gets the clean caches."""
+    needs_ffi()
+    kv = [700, 97, 33, 0] if qo[-1] == 0 else [700, 97, 33, 161]
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, qo, kv, heads=heads, page_size=page_size, split=split)
+    ref, ref_lse = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
+    ckv = poison_unseen(ckv, b.page_table, b.kv_lens, page_size)
+    kpe = poison_unseen(kpe, b.page_table, b.kv_lens, page_size)
+    assert np.isnan(np.asarray(ckv.astype(jnp.float32))).any()
+    out, lse = jax.jit(lambda *a: mla_paged_attention(*a, sm_scale=SCALE, return_lse=True, backend="ffi",
+                                                      **scales))(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan)
+    assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
+    assert rel_err(out, ref) < 3e-3
+    ok = ~np.isneginf(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), ~ok)
     np.testing.assert_allclose(np.asarray(lse)[ok], np.asarray(ref_lse)[ok], atol=5e-3)
 
 

@@ -4,6 +4,8 @@
 // sm_90a (JAX_MLA_HAS_WGMMA), where the body is never launched.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a type only: the encoder is reached through the runtime)
+
 #include <type_traits>
 
 #include "mla_common.cuh"
@@ -119,6 +121,18 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 
 // ---- TMA (cp.async.bulk.tensor) -------------------------------------------------
 
+// TMA descriptors of the two caches seen as 2-D tensors of rows (ckv [P * ps, 512],
+// kpe [P * ps, 64]) with a box of box_rows rows x 128 bytes (64 dims; an fp8 ckv: 128 raw
+// bytes) in the 128-byte swizzle the stage panels use (the wide bodies', and the fp8 narrow
+// body's producer). Made on the host for every launch (mla_launch.cuh); `enabled` is 0 where
+// they could not be made, or the page size is below a box.
+struct KeyTensorMaps {
+  CUtensorMap ckv;
+  CUtensorMap kpe;
+  int enabled;
+  int box_rows;  // keys per box: WideSm90::BK, or 64 for the 64-key body on pages of 64 keys or more
+};
+
 // A box of a 2-D tensor map (made on the host, mla_launch.cuh) at element
 // coordinates (column c0, row c1) into shared memory at dst; completion is
 // counted in bytes on the mbarrier. The map must live in parameter, constant or
@@ -142,6 +156,19 @@ __device__ __forceinline__ void tma_load_2d_evict_first(uint32_t dst, const void
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
       "[%0], [%1, {%2, %3}], [%4], pol;\n}\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+#endif
+}
+
+// tma_load_2d with an L2 cache policy made once by the caller (l2_evict_first_policy): for a thread
+// that issues many boxes.
+__device__ __forceinline__ void tma_load_2d_hint(uint32_t dst, const void* map, int c0, int c1, uint32_t bar,
+                                                 uint64_t policy) {
+#ifdef JAX_MLA_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
       : "memory");
 #endif
 }

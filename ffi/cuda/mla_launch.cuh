@@ -111,8 +111,12 @@ inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
 // portable body), page sizes below a key block, and where encoding fails. An fp8 ckv is
 // described as bytes in boxes of 128 (one 128-byte swizzled row of raw e4m3 per key,
 // wide_producer_fp8); kpe and a ckv of the queries' type in boxes of 64 dims (128 bytes). A box
-// is box_rows keys (at most a page): the producer body's 32-key blocks, or the 64-key body's
-// blocks in one box on pages of 64 keys or more (half the copies to issue).
+// is box_rows keys (at most a page): the producer body's 32-key blocks (and the fp8 narrow body's
+// halves), or the 64-key body's blocks in one box on pages of 64 keys or more (half the copies).
+// L2 promotion: an fp8 ckv's box rows are 128 bytes of a 512-byte key row, and 256-byte promotion
+// made the fp8 narrow body's boxes ~6% slower from DRAM than its cp.async gathers, 128 bytes (a box
+// row) or none as fast (ffi/cuda/NOTES.md, "TMA for the fp8 narrow producer"): an fp8 cache's maps
+// promote 128 bytes. 16-bit caches keep 256 (half of a 1024-byte row; not measured against less).
 template <typename T, int kCache>
 inline KeyTensorMaps key_tensor_maps(const Problem& p, int box_rows = WideSm90::BK) {
   KeyTensorMaps maps = {};
@@ -121,6 +125,8 @@ inline KeyTensorMaps key_tensor_maps(const Problem& p, int box_rows = WideSm90::
   if constexpr (kCache != kCacheFp8CkvKpe && (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>)) {
     const auto encode = tensor_map_encoder();
     if (encode == nullptr || p.page_size < box_rows || rows == 0 || rows > (1ull << 31)) return maps;
+    const CUtensorMapL2promotion promotion =
+        kCache == kCacheFp8Ckv ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
     const CUtensorMapDataType type =
         std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     auto make = [&](CUtensorMap* map, const void* data, uint64_t dims, CUtensorMapDataType dtype, int bytes) {
@@ -129,7 +135,7 @@ inline KeyTensorMaps key_tensor_maps(const Problem& p, int box_rows = WideSm90::
       const cuuint32_t box[2] = {128u / bytes, (cuuint32_t)box_rows};  // 128 bytes x one key block
       const cuuint32_t step[2] = {1, 1};
       return encode(map, dtype, 2, const_cast<void*>(data), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                    CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                     CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
     };
     const bool ckv_ok = kCache == kCacheFp8Ckv ? make(&maps.ckv, p.ckv, kDimCkv, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1)

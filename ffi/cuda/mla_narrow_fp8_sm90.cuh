@@ -9,9 +9,13 @@
 // the gatherer of both (kProducer; -DJAX_MLA_NARROW_FP8_NO_PRODUCER sends it away, an A/B switch):
 // standalone driver, H200, op us: 89.7 at 128 x 4096 x 16 heads, 170.8 at 256 x U[1, 8192], 38.7 at
 // 1 x 131072; without the producer 92.1, 176.5, 40.9 (the mma.sync body, earlier: 111.1, 212.9,
-// 41.3). Whole 32-key halves by TMA instead of the cp.async gathers were slower (removed).
-// ffi/cuda/NOTES.md ("S on e4m3 wgmma", "Keys evict-first", "The e4m3 wgmma body becomes the
-// default", "A producer warpgroup for the fp8 narrow body") has the numbers.
+// 41.3). Since the sixteenth session the producer issues each block as ten TMA boxes where the
+// launch's key maps serve (pages of >= 32 keys; -DJAX_MLA_NARROW_FP8_NO_TMA keeps its cp.async
+// gathers, an A/B switch): op 89.0 -> 90.3, 169.9 -> 163.3, 37.6 -> 37.9 (attention chained 97.2
+// -> 93.2 at 128 x 4096); with every key in L2 (maps at 256-byte promotion then) 81.1 -> 68.4
+// at 128 x 4096: the body's own work is lighter, and the copy now sets its time. ffi/cuda/NOTES.md
+// ("S on e4m3 wgmma", "Keys evict-first", "The e4m3 wgmma body becomes the default", "A producer
+// warpgroup for the fp8 narrow body", "TMA for the fp8 narrow producer") has the numbers.
 //
 // Why. The mma.sync narrow body with an fp8 ckv (mla_narrow_kernel.cuh, "fp8 in registers") is
 // bound by its own instruction stream: eight warps run its steps in lock step between three block
@@ -20,7 +24,7 @@
 //
 // What. wgmma needs M = 64; with 16 query rows the keys are the 64 of M:
 //   * A stage is five 128-byte-swizzled panels of 64 keys (NarrowFp8Sm90): four of e4m3 latent,
-//     one of kpe, the canonical K-major layout, gathered by cp.async.
+//     one of kpe, the canonical K-major layout the TMA maps' 128-byte swizzle writes (or cp.async).
 //   * S^T = K Q^T on e4m3 wgmma, A and B from shared memory: A = the latent panels as they landed,
 //     B = the queries' e4m3 terms (split_e4m3x4: two terms hold a bf16 query exactly, three an fp16
 //     one), N = 16 rows x terms; each 128-dim panel is a fresh accumulator added in float32 (the
@@ -35,9 +39,10 @@
 //   * The two warpgroups are two independent pipelines over the unit's even and odd blocks, each
 //     with its own two stages, running max and sum and O, and its own named barriers: one
 //     warpgroup's softmax and exchanges overlap the other's MMAs. Their halves meet once, in the
-//     epilogue. The blocks' cp.async gathers (and page ids) are the third warpgroup's where the
-//     kernel has one (384 threads): it fills the four stages in the unit's block order, on full and
-//     empty mbarriers. In the 256-thread instance each warpgroup gathers its own next block.
+//     epilogue. The blocks' copies (and page ids) are the third warpgroup's where the kernel has
+//     one (384 threads): it fills the four stages in the unit's block order, on full and empty
+//     mbarriers, by TMA (one warp) or cp.async gathers (all four). In the 256-thread instance each
+//     warpgroup gathers its own next block.
 // The row maxima cross the warpgroup's four warps through shared memory once a block (each warp
 // holds 16 keys of every row); the row sums stay per thread until the epilogue.
 //
@@ -57,6 +62,7 @@ namespace cuda {
 struct NarrowFp8Sm90 {
   static constexpr int ROWS = 16;
   static constexpr int BK = 64;                      // keys a block: wgmma's M
+  static constexpr int BOX = 32;                     // keys a TMA box (the 384-thread instance's key maps)
   // A stage holds a block's keys as five panels of 64 keys x 128 bytes in the 128-byte swizzle (the
   // canonical K-major layout wgmma reads): slabs 0-3 the e4m3 latent (128 dims each), slab 4 kpe (64
   // dims of T). The latent slabs are S^T's A as they land, and V^T's rows for ldmatrix.trans.
@@ -96,6 +102,7 @@ struct NarrowFp8Sm90 {
   static constexpr int STAGING_OFF = KV_OFF + 3 * STAGE;
 
   static_assert(ROWS * kNarrowRowBytes <= STAGE, "the queries are staged in one stage");
+  static_assert(BK == 2 * BOX, "a block is two TMA boxes a slab");
   static_assert(2 * 32 * 128 * 4 <= 2 * STAGES * STAGE, "the epilogue's O exchange fits in the stages");
   static_assert(MBAR_OFF % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(SLAB % 1024 == 0 && QP_OFF % 1024 == 0 && P_OFF % 1024 == 0 && PANEL % 1024 == 0,
@@ -122,11 +129,89 @@ __device__ __forceinline__ void vt_e4m3_fragment(uint32_t (&a)[4], const uint32_
   a[3] = __byte_perm(vb[2], vb[3], 0x7531);
 }
 
+// The producer's blocks by TMA, one warp, where the launch's key maps serve (kProducer; pages of 32
+// keys or more, a unit start on a box boundary): block j of the unit into stage (j / 2) % 2 of
+// warpgroup j % 2 as ten boxes of 32 keys x 128 bytes (two a slab: four latent slabs, the kpe
+// slab; the stage's 40 KB), issued by lane 0 on the stage's full barrier, where every lane writes
+// the flags of two keys and arrives (32 arrivals). The maps' 128-byte swizzle is the slabs' layout.
+// A box on a bad page id, or wholly past the range, reads rows before the tensor, which TMA fills
+// with zeros. A box the range ends in comes whole from its page: the consumers zero its rows past
+// the range before P V reads them (narrow_fp8_zero_rows; 0 times a NaN is NaN). Page ids: lane l
+// holds box l of a group of 16 blocks (block 16 g + l / 2, box l % 2), the next group loaded a
+// group ahead. It replaces 128 threads' 2,560 cp.async a block and their address arithmetic.
+template <typename T>
+__device__ __forceinline__ void narrow_fp8_tma_producer(const Problem& p, const KeyTensorMaps& maps, Unit u,
+                                                        uint32_t base, unsigned char* ok_all, int lane) {
+  using N = NarrowFp8Sm90;
+  constexpr int GROUP = 32 / (N::BK / N::BOX);  // blocks whose page ids a warp holds: a box a lane
+  const int* pt_row = page_table_row(p, u);
+  auto group_pages = [&](int grp, int bound) {
+    const int key = u.kv_begin + grp * GROUP * N::BK + lane * N::BOX;
+    return key < bound ? __ldg(pt_row + (key >> p.log2_page_size)) : -1;
+  };
+  int pages = group_pages(0, early_key_bound(p, u));  // issued before the length arrives
+  finish_unit(p, u);
+  const int nb = (u.range_end - u.kv_begin + N::BK - 1) / N::BK;
+  int pages_next = group_pages(1, u.range_end);
+  const uint64_t pol = l2_evict_first_policy();  // as the cp.async gathers (gather_key_row)
+#pragma unroll 1
+  for (int j = 0; j < nb; ++j) {
+    const int w = j & 1, i = j >> 1, st = i & 1;
+    if (j > 0 && j % GROUP == 0) {
+      pages = pages_next;
+      pages_next = group_pages(j / GROUP + 1, u.range_end);
+    }
+    if (i >= 2) mbar_wait(N::empty_bar(base, w, st), ((i >> 1) - 1) & 1);  // local block i - 2 done
+    if (j == 3) mbar_wait(N::staging_free_bar(base), 0);  // warpgroup 1's stage 1 held the queries
+    const int key0 = u.kv_begin + j * N::BK;
+    int row[2];
+    bool ok[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const int page = __shfl_sync(0xffffffffu, pages, 2 * (j % GROUP) + b);
+      const int key = key0 + b * N::BOX;
+      ok[b] = key < u.range_end && page >= 0 && page < p.num_pages;
+      row[b] = ok[b] ? page * p.page_size + (key & (p.page_size - 1)) : -N::BOX;
+    }
+    // The flags of keys 2 lane and 2 lane + 1 (box lane / 16), published by this lane's arrival.
+    const int k = key0 + 2 * lane;
+    const bool box_ok = lane < 16 ? ok[0] : ok[1];
+    const uint32_t flags = (uint32_t)(box_ok && k < u.range_end) | (uint32_t)(box_ok && k + 1 < u.range_end) << 8;
+    reinterpret_cast<uint16_t*>(ok_all + (w * N::STAGES + st) * N::BK)[lane] = (uint16_t)flags;
+    const uint32_t full = N::full_bar(base, w, st);
+    if (lane == 0) {
+      mbar_arrive_expect_tx(full, N::STAGE);
+      const uint32_t stage = base + N::KV_OFF + (w * N::STAGES + st) * N::STAGE;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const uint32_t dst = stage + b * N::BOX * 128;
+#pragma unroll
+        for (int s = 0; s < 4; ++s) tma_load_2d_hint(dst + s * N::SLAB, &maps.ckv, 128 * s, row[b], full, pol);
+        tma_load_2d_hint(dst + 4 * N::SLAB, &maps.kpe, 0, row[b], full, pol);
+      }
+    } else {
+      mbar_arrive(full);
+    }
+  }
+}
+
+// Rows [from, 64) of a stage's four latent slabs set to zero by a warpgroup: a unit's last block by
+// TMA holds its page's rows past the range there. Between the block's maxima barrier (every warp's S
+// has read the stage) and its P barrier (which orders the zeros before P V's ldmatrix reads).
+__device__ __forceinline__ void narrow_fp8_zero_rows(uint32_t stage, int from, int wtid) {
+  using N = NarrowFp8Sm90;
+#pragma unroll 1
+  for (int idx = wtid; idx < (N::BK - from) * 32; idx += 128) {
+    const int r = from + (idx >> 5), c = idx & 31;  // chunk c of row r: slab c / 8, any order
+    st_shared_v4(stage + (c >> 3) * N::SLAB + r * 128 + ((c & 7) << 4), make_uint4(0, 0, 0, 0));
+  }
+}
+
 // kProducer: the kernel's third warpgroup (384 threads) gathers every block for both, ahead of them
 // (below); without it (the 256-thread instance) each warpgroup gathers its own next block.
 template <typename T, bool kProducer = false>
-__device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Unit u, int h0, int hb,
-                                                            char* smem) {
+__device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, const KeyTensorMaps& maps, Unit u,
+                                                            int h0, int hb, char* smem) {
   using N = NarrowFp8Sm90;
   constexpr int kCache = kCacheFp8Ckv;
   constexpr int QTERMS = std::is_same_v<T, __half> ? 3 : 2;  // split_e4m3x4: exact for the query type
@@ -174,13 +259,21 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
         [&](int kl, int c) { return fp8_slab_chunk(stage, kl, c - C0); });
   };
 
+  // The producer's blocks by TMA (narrow_fp8_tma_producer) where the maps' boxes fit the unit;
+  // otherwise (pages under 32 keys, another plan's unaligned split) by its cp.async gathers.
+#ifdef JAX_MLA_NARROW_FP8_NO_TMA  // (an A/B switch: every block by cp.async)
+  const bool by_tma = false;
+#else
+  const bool by_tma = kProducer && maps.enabled && maps.box_rows == N::BOX && (u.kv_begin & (N::BOX - 1)) == 0;
+#endif
   if constexpr (kProducer) {
     if (tid == 0) {
       for (int w = 0; w < 2; ++w)
         for (int st = 0; st < N::STAGES; ++st) {
           // Full: every producer thread twice, once when its copies land (noinc) and once to publish
-          // its key flags. Empty: every thread of the stage's warpgroup, its block done.
-          mbar_init(N::full_bar(base, w, st), 256);
+          // its key flags; by TMA each lane of the producer warp once (lane 0 with the bytes).
+          // Empty: every thread of the stage's warpgroup, its block done.
+          mbar_init(N::full_bar(base, w, st), by_tma ? 32 : 256);
           mbar_init(N::empty_bar(base, w, st), 128);
         }
       mbar_init(N::staging_free_bar(base), 1);
@@ -189,6 +282,11 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     __syncthreads();
     if (wg == 2) {
       release_registers<40>();
+      if (by_tma) {
+        if (tid < 288) narrow_fp8_tma_producer<T>(p, maps, u, base,
+                                                  reinterpret_cast<unsigned char*>(gbase + N::KEY_OK_OFF), lane);
+        return;
+      }
       // ---- the producer: block j of the unit into stage (j / 2) % 2 of warpgroup j % 2 ----
       // Its page ids come L blocks ahead through one ring of 2 RING slots (unit block mod 2 RING).
       // Each thread's copies arrive on the stage's full barrier as they land; the consumer's proxy
@@ -416,6 +514,9 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, Un
     }
     named_barrier_sync(bar, 128);
     JAX_MLA_TRACE_AT(i + 1, 3);
+    if (by_tma && blk == num_blocks - 1 && u.range_end - key0 < N::BK) {
+      narrow_fp8_zero_rows(stage_base, u.range_end - key0, wtid);
+    }
     float alpha[4], m_use[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {

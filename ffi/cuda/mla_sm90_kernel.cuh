@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
     }
     if (rows <= 16) {
       if constexpr (kNarrowFp8Wgmma) {
-        attend_unit_narrow_fp8_sm90<T, kNarrowFp8Producer>(p, u, h0, hb, smem);
+        attend_unit_narrow_fp8_sm90<T, kNarrowFp8Producer>(p, maps, u, h0, hb, smem);
         return;
       }
       attend_unit_narrow<T, NarrowShapeFor<kCache>, kCache>(p, u, h0, hb, smem);

@@ -58,8 +58,6 @@
 // Split units write float32 partials for the merge kernel, as every body does.
 #pragma once
 
-#include <cuda.h>  // CUtensorMap (a type only: the encoder is reached through the runtime)
-
 #include "mla_common.cuh"
 #include "mla_hopper.cuh"
 #include "mla_attention_kernel.cuh"
@@ -140,18 +138,6 @@ struct WideSm90 {
   }
   static_assert(SMEM_BYTES <= 227 * 1024, "one block per SM must fit");
   static_assert(STAGE % 1024 == 0 && KPANEL % 1024 == 0 && QPANEL % 1024 == 0, "swizzle atoms stay aligned");
-};
-
-// TMA descriptors of the two caches seen as 2-D tensors of rows (ckv [P * ps, 512],
-// kpe [P * ps, 64]) with a box of 32 rows x 128 bytes (64 dims; an fp8 ckv: 128 raw
-// bytes) in the 128-byte swizzle the stage panels use. Made on the host for every
-// launch (mla_launch.cuh); `enabled` is 0 where they could not be made, or the page
-// size is below a key block.
-struct KeyTensorMaps {
-  CUtensorMap ckv;
-  CUtensorMap kpe;
-  int enabled;
-  int box_rows;  // keys per box: WideSm90::BK, or 64 for the 64-key body on pages of 64 keys or more
 };
 
 // ---- producer -------------------------------------------------------------------

@@ -139,7 +139,6 @@ __device__ __forceinline__ void vt_e4m3_fragment(uint32_t (&a)[4], const uint32_
 // the range before P V reads them (narrow_fp8_zero_rows; 0 times a NaN is NaN). Page ids: lane l
 // holds box l of a group of 16 blocks (block 16 g + l / 2, box l % 2), the next group loaded a
 // group ahead. It replaces 128 threads' 2,560 cp.async a block and their address arithmetic.
-template <typename T>
 __device__ __forceinline__ void narrow_fp8_tma_producer(const Problem& p, const KeyTensorMaps& maps, Unit u,
                                                         uint32_t base, unsigned char* ok_all, int lane) {
   using N = NarrowFp8Sm90;
@@ -283,8 +282,8 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, co
     if (wg == 2) {
       release_registers<40>();
       if (by_tma) {
-        if (tid < 288) narrow_fp8_tma_producer<T>(p, maps, u, base,
-                                                  reinterpret_cast<unsigned char*>(gbase + N::KEY_OK_OFF), lane);
+        unsigned char* ok_all = reinterpret_cast<unsigned char*>(gbase + N::KEY_OK_OFF);
+        if (tid < 288) narrow_fp8_tma_producer(p, maps, u, base, ok_all, lane);  // one warp
         return;
       }
       // ---- the producer: block j of the unit into stage (j / 2) % 2 of warpgroup j % 2 ----

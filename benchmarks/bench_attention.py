@@ -2,7 +2,7 @@
 sm90 decode and a copy ceiling.
 
     python3 benchmarks/bench_attention.py [--out benchmarks/results] [--sweep] [--quick]
-        [--flashmla .peer/flashmla] [--fa2]
+        [--flashmla .peer/flashmla] [--fa2] [--power SECONDS]
 
 Per shape (batch x kv_len x heads x page_size x q_len, bf16, d_ckv 512, d_kpe 64,
 random page tables, random normal data; kv_len and q_len may be ranges drawn per
@@ -27,6 +27,10 @@ request, "U[lo,hi]"):
   timing), scheduler metadata made once as in FlashMLA's own use, K calls in a
   CUDA graph, events, median. Page size 64 and one q_len per batch only.
 * copy ceiling: device-to-device copy of 1 GiB, bytes read + written.
+* power (with --power SECONDS): ours' K-call chain run back to back for SECONDS
+  while nvidia-smi samples the GPU every 20 ms (benchmarks/gpu_power.py): median
+  power and SM clock, the lowest clock, the fraction of samples at the software
+  power cap; a record's "power" field and the fp8 table's last column.
 
 Bytes = kv tokens x 576 x 2 (each request's keys read once); FLOPs =
 2 * H * (576 + 512) * sum over query tokens of the keys each sees.
@@ -63,6 +67,9 @@ import numpy as np  # noqa: E402
 from jax_mla import PlanTarget, build_info, default_target, mla_paged_attention, plan_mla  # noqa: E402
 from jax_mla import fp8_scale, mla_paged_attention_reference, quantize_fp8  # noqa: E402
 from jax_mla.arg_specs import Uniform, arg_specs  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_power  # noqa: E402
 
 D_CKV, D_KPE = 512, 64
 SCALE = 1.0 / math.sqrt(192.0)
@@ -446,7 +453,7 @@ def calls_for(s, copy_bps):
     return max(2, k2 // 4), k2
 
 
-def bench_shape(s, peers, copy_bps, sweep_targets=None, kv_dtype="bfloat16"):
+def bench_shape(s, peers, copy_bps, sweep_targets=None, kv_dtype="bfloat16", power_s=0.0):
     k1, k2 = calls_for(s, copy_bps)
     inp = Inputs(s, k2, kv_dtype=kv_dtype)
     flops, nbytes = work_of(s, kv_dtype)
@@ -459,6 +466,9 @@ def bench_shape(s, peers, copy_bps, sweep_targets=None, kv_dtype="bfloat16"):
     dev_s = device_time_ours(inp, plan, k2)
     rec["ours_timing"] = "device" if dev_s is not None else "wall"
     rec["ours_us"] = dev_s * 1e6 if dev_s is not None else rec["ours_wall_us"]
+    if power_s > 0:
+        f, a = _chain(k2, inp.n_sets), _chain_args(inp, plan, k2)
+        rec["power"] = gpu_power.sample_back_to_back(lambda: f(*a), jax.block_until_ready, power_s)
     ours = np.asarray(ours_output(inp, plan).astype(jnp.float32))
     if kv_dtype == FP8:
         rec.update(fp8_errors(inp, plan, ours))
@@ -544,16 +554,26 @@ def table(records, copy_bps):
 def fp8_table(recs):
     if not recs:
         return ""
+    power = any(r.get("power") or r.get("bf16_power") for r in recs)
     lines = ["\n\n| shape, fp8 cache (e4m3 ckv, bf16 kpe) | bf16 us | fp8 us | fp8 / bf16 speed | fp8 TB/s | "
-             "rel err vs dequantized f32 ref | rel err vs bf16 cache | target | met |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "rel err vs dequantized f32 ref | rel err vs bf16 cache | target | met |"
+             + (" W, SM MHz, at power cap: fp8 / bf16 |" if power else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if power else "")]
     for r in recs:
         lines.append(f"| {shape_name(shape_of(r))} | {r['bf16_us']:.1f} | {r['ours_us']:.1f} | "
                      f"{r['speedup_vs_bf16']:.2f}x | {r['bytes'] / r['ours_us'] / 1e6:.2f} | "
                      f"{r['rel_err_vs_dequantized_ref']:.2e} | {r['rel_err_vs_bf16_cache']:.2e} | "
                      f"{'; '.join(r['targets']) or '-'} | "
-                     f"{'; '.join('yes' if m else 'NO' for m in r['met']) or '-'} |")
+                     f"{'; '.join('yes' if m else 'NO' for m in r['met']) or '-'} |"
+                     + (f" {power_cell(r.get('power'))} / {power_cell(r.get('bf16_power'))} |" if power else ""))
     return "\n".join(lines)
+
+
+def power_cell(p):
+    """A power summary (gpu_power.summarize) as "W, MHz, % of samples at the power cap"."""
+    if not p:
+        return "-"
+    return f"{p['power_W_median']:.0f} W, {p['sm_MHz_median']:.0f} MHz, {100 * p['power_capped_fraction']:.0f}%"
 
 
 def roofline(records, copy_bps, peak, path):
@@ -598,6 +618,8 @@ def main():
     ap.add_argument("--flashmla", default=None, help="FlashMLA peer kit directory (built on first use)")
     ap.add_argument("--fp8-only", action="store_true", help="only the fp8-cache shapes and their bf16 baselines")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8-cache shapes")
+    ap.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
+                    help="also run each shape's chain back to back this long, sampling power and SM clock")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -628,7 +650,7 @@ def main():
     records = []
     for s in shapes:
         t0 = time.time()
-        rec = bench_shape(s, peers, copy_bps)
+        rec = bench_shape(s, peers, copy_bps, power_s=args.power)
         records.append(rec)
         print(f"{shape_name(s)}: ours {rec['ours_us']:.1f} us ({rec['ours_timing']}; chain wall "
               f"{rec['ours_wall_us']:.1f}), fa3 {fmt(rec.get('fa3_us'), '.1f')}, "
@@ -641,10 +663,11 @@ def main():
         for s, targets in FP8_SHAPES:
             base = next((r for r in records if shape_of(r) == s), None)
             if base is None:
-                base = bench_shape(s, {}, copy_bps)
+                base = bench_shape(s, {}, copy_bps, power_s=args.power)
                 records.append(base)
-            rec = bench_shape(s, {}, copy_bps, kv_dtype=FP8)
+            rec = bench_shape(s, {}, copy_bps, kv_dtype=FP8, power_s=args.power)
             rec["bf16_us"] = base["ours_us"]
+            rec["bf16_power"] = base.get("power")
             rec["speedup_vs_bf16"] = base["ours_us"] / rec["ours_us"]
             rec["targets"] = [f">= {b:g}x bf16" for _, b in targets]
             rec["met"] = [rec["speedup_vs_bf16"] >= b for _, b in targets]
@@ -652,7 +675,9 @@ def main():
             print(f"{shape_name(s)} fp8: {rec['ours_us']:.1f} us vs bf16 {base['ours_us']:.1f} us "
                   f"({rec['speedup_vs_bf16']:.2f}x), {rec['bytes'] / rec['ours_us'] / 1e6:.2f} TB/s; rel err vs "
                   f"dequantized f32 ref {rec['rel_err_vs_dequantized_ref']:.2e}, vs bf16 cache "
-                  f"{rec['rel_err_vs_bf16_cache']:.2e}", flush=True)
+                  f"{rec['rel_err_vs_bf16_cache']:.2e}"
+                  + (f"; fp8 / bf16 run back to back: {power_cell(rec.get('power'))} / "
+                     f"{power_cell(rec['bf16_power'])}" if args.power else ""), flush=True)
 
     sweep = []
     if args.sweep:

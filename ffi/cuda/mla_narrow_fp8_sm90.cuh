@@ -96,6 +96,17 @@ struct NarrowFp8Sm90 {
     return base + MBAR_OFF + 32 + 8 * (2 * wg + stage);
   }
   static __device__ __forceinline__ uint32_t staging_free_bar(uint32_t base) { return base + MBAR_OFF + 64; }
+  static __device__ __forceinline__ uint32_t stage_addr(uint32_t base, int wg, int stage) {
+    return base + KV_OFF + (wg * STAGES + stage) * STAGE;
+  }
+  // Before the producer fills unit block j's stage: that stage's previous block (local block i - 2 of
+  // warpgroup j % 2, i = j / 2) is done, and block 3's stage (warpgroup 1's stage 1) no longer holds
+  // the queries.
+  static __device__ __forceinline__ void producer_wait_for_stage(uint32_t base, int j) {
+    const int w = j & 1, i = j >> 1;
+    if (i >= 2) mbar_wait(empty_bar(base, w, i & 1), ((i >> 1) - 1) & 1);
+    if (j == 3) mbar_wait(staging_free_bar(base), 0);
+  }
   static constexpr int SMEM_BYTES = BYTES + 1024 - 16;  // room to align the base
   // The queries' staging rows (kNarrowRowBytes each): warpgroup 1's second stage, first gathered
   // into after the queries have moved to their panels.
@@ -160,8 +171,7 @@ __device__ __forceinline__ void narrow_fp8_tma_producer(const Problem& p, const 
       pages = pages_next;
       pages_next = group_pages(j / GROUP + 1, u.range_end);
     }
-    if (i >= 2) mbar_wait(N::empty_bar(base, w, st), ((i >> 1) - 1) & 1);  // local block i - 2 done
-    if (j == 3) mbar_wait(N::staging_free_bar(base), 0);  // warpgroup 1's stage 1 held the queries
+    N::producer_wait_for_stage(base, j);
     const int key0 = u.kv_begin + j * N::BK;
     int row[2];
     bool ok[2];
@@ -180,7 +190,7 @@ __device__ __forceinline__ void narrow_fp8_tma_producer(const Problem& p, const 
     const uint32_t full = N::full_bar(base, w, st);
     if (lane == 0) {
       mbar_arrive_expect_tx(full, N::STAGE);
-      const uint32_t stage = base + N::KV_OFF + (w * N::STAGES + st) * N::STAGE;
+      const uint32_t stage = N::stage_addr(base, w, st);
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
         const uint32_t dst = stage + b * N::BOX * 128;
@@ -232,7 +242,7 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, co
   const uint32_t pad = (1024 - (base & 1023)) & 1023;  // the 128-byte swizzle's atoms are 1024-byte aligned
   base += pad;
   char* gbase = smem + pad;
-  const uint32_t s_kv = base + N::KV_OFF + wg * N::STAGES * N::STAGE;
+  const uint32_t s_kv = N::stage_addr(base, wg, 0);
   const uint32_t s_q = base + N::STAGING_OFF;
   unsigned char* key_ok = reinterpret_cast<unsigned char*>(gbase + N::KEY_OK_OFF) + wg * N::STAGES * N::BK;
   int* ring = reinterpret_cast<int*>(gbase + N::RING_OFF) + wg * N::RING * N::BK;
@@ -310,10 +320,9 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, co
         const int w = j & 1, i = j >> 1, st = i & 1;
         cp_async_wait<L - 1>();       // block j's page ids (a group L back; at most L - 1 newer ones)
         named_barrier_sync(4, 128);   // from every producer thread
-        if (i >= 2) mbar_wait(N::empty_bar(base, w, st), ((i >> 1) - 1) & 1);  // local block i - 2 done
-        if (j == 3) mbar_wait(N::staging_free_bar(base), 0);  // warpgroup 1's stage 1 held the queries
+        N::producer_wait_for_stage(base, j);
         fetch_page_ids<N::BK, PRING>(p, pt_row, pring, kv_begin, j + L, nb, u.range_end, ptid);
-        const uint32_t stage = base + N::KV_OFF + (w * N::STAGES + st) * N::STAGE;
+        const uint32_t stage = N::stage_addr(base, w, st);
         gather_key_block<kCache, N::BK, PRING, N::BK / 16, 16>(
             p, u, pring, ok_all + w * N::STAGES * N::BK, kv_begin, j, st, ptid,
             [&](int kl, int c) { return fp8_slab_chunk(stage, kl, c - C0); });

@@ -133,6 +133,27 @@ struct KeyTensorMaps {
   int box_rows;  // keys per box: WideSm90::BK, or 64 for the 64-key body on pages of 64 keys or more
 };
 
+// The tensor row a box of keys starts at: `key`'s row of `page` where the box may be read, else `box`
+// rows before the tensor (a bad page id, or a box wholly past the range), which TMA fills with zeros.
+__device__ __forceinline__ int tma_box_row(bool ok, int page, int key, int page_size, int box) {
+  return ok ? page * page_size + (key & (page_size - 1)) : -box;
+}
+
+// Panels of 64 keys x 128 bytes (a TMA box row each, any 128-byte swizzle: a row's chunks stay in
+// the row), four of them consecutive: a block's latent keys in the e4m3 stages and the 64-key body.
+constexpr int kKeyPanelBytes = 64 * 128;
+
+// Rows [from, 64) of four consecutive key panels set to zero by one warpgroup (tid 0-127). A box the
+// range ends in comes whole from its page, so a unit's last block holds keys past the range whose
+// bytes (NaN among them, in a pool) must not reach P V: 0 times a NaN is NaN.
+__device__ __forceinline__ void zero_key_panel_rows(uint32_t panels, int from, int tid) {
+#pragma unroll 1
+  for (int idx = tid; idx < (64 - from) * 32; idx += 128) {
+    const int r = from + (idx >> 5), c = idx & 31;  // chunk c of row r: panel c / 8
+    st_shared_v4(panels + (c >> 3) * kKeyPanelBytes + r * 128 + ((c & 7) << 4), make_uint4(0, 0, 0, 0));
+  }
+}
+
 // A box of a 2-D tensor map (made on the host, mla_launch.cuh) at element
 // coordinates (column c0, row c1) into shared memory at dst; completion is
 // counted in bytes on the mbarrier. The map must live in parameter, constant or

@@ -114,6 +114,7 @@ struct NarrowFp8Sm90 {
 
   static_assert(ROWS * kNarrowRowBytes <= STAGE, "the queries are staged in one stage");
   static_assert(BK == 2 * BOX, "a block is two TMA boxes a slab");
+  static_assert(SLAB == kKeyPanelBytes, "the latent slabs are key panels (zero_key_panel_rows)");
   static_assert(2 * 32 * 128 * 4 <= 2 * STAGES * STAGE, "the epilogue's O exchange fits in the stages");
   static_assert(MBAR_OFF % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(SLAB % 1024 == 0 && QP_OFF % 1024 == 0 && P_OFF % 1024 == 0 && PANEL % 1024 == 0,
@@ -147,7 +148,7 @@ __device__ __forceinline__ void vt_e4m3_fragment(uint32_t (&a)[4], const uint32_
 // the flags of two keys and arrives (32 arrivals). The maps' 128-byte swizzle is the slabs' layout.
 // A box on a bad page id, or wholly past the range, reads rows before the tensor, which TMA fills
 // with zeros. A box the range ends in comes whole from its page: the consumers zero its rows past
-// the range before P V reads them (narrow_fp8_zero_rows; 0 times a NaN is NaN). Page ids: lane l
+// the range before P V reads them (zero_key_panel_rows; 0 times a NaN is NaN). Page ids: lane l
 // holds box l of a group of 16 blocks (block 16 g + l / 2, box l % 2), the next group loaded a
 // group ahead. It replaces 128 threads' 2,560 cp.async a block and their address arithmetic.
 __device__ __forceinline__ void narrow_fp8_tma_producer(const Problem& p, const KeyTensorMaps& maps, Unit u,
@@ -180,7 +181,7 @@ __device__ __forceinline__ void narrow_fp8_tma_producer(const Problem& p, const 
       const int page = __shfl_sync(0xffffffffu, pages, 2 * (j % GROUP) + b);
       const int key = key0 + b * N::BOX;
       ok[b] = key < u.range_end && page >= 0 && page < p.num_pages;
-      row[b] = ok[b] ? page * p.page_size + (key & (p.page_size - 1)) : -N::BOX;
+      row[b] = tma_box_row(ok[b], page, key, p.page_size, N::BOX);
     }
     // The flags of keys 2 lane and 2 lane + 1 (box lane / 16), published by this lane's arrival.
     const int k = key0 + 2 * lane;
@@ -201,18 +202,6 @@ __device__ __forceinline__ void narrow_fp8_tma_producer(const Problem& p, const 
     } else {
       mbar_arrive(full);
     }
-  }
-}
-
-// Rows [from, 64) of a stage's four latent slabs set to zero by a warpgroup: a unit's last block by
-// TMA holds its page's rows past the range there. Between the block's maxima barrier (every warp's S
-// has read the stage) and its P barrier (which orders the zeros before P V's ldmatrix reads).
-__device__ __forceinline__ void narrow_fp8_zero_rows(uint32_t stage, int from, int wtid) {
-  using N = NarrowFp8Sm90;
-#pragma unroll 1
-  for (int idx = wtid; idx < (N::BK - from) * 32; idx += 128) {
-    const int r = from + (idx >> 5), c = idx & 31;  // chunk c of row r: slab c / 8, any order
-    st_shared_v4(stage + (c >> 3) * N::SLAB + r * 128 + ((c & 7) << 4), make_uint4(0, 0, 0, 0));
   }
 }
 
@@ -522,8 +511,10 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, co
     }
     named_barrier_sync(bar, 128);
     JAX_MLA_TRACE_AT(i + 1, 3);
+    // Between the maxima barrier (every warp's S has read the stage) and the P barrier (which orders
+    // the zeros before P V's ldmatrix reads).
     if (by_tma && blk == num_blocks - 1 && u.range_end - key0 < N::BK) {
-      narrow_fp8_zero_rows(stage_base, u.range_end - key0, wtid);
+      zero_key_panel_rows(stage_base, u.range_end - key0, wtid);
     }
     float alpha[4], m_use[4];
 #pragma unroll

@@ -153,7 +153,7 @@ __device__ __forceinline__ Wide64Rows wide64_block_rows(const Problem& p, const 
     }
     const int page = g.page[k];
     const bool ok = page >= 0 && page < p.num_pages;
-    b.row[k] = ok ? page * p.page_size + (key & (p.page_size - 1)) : -maps.box_rows;  // rows before the tensor: zeros
+    b.row[k] = tma_box_row(ok, page, key, p.page_size, maps.box_rows);
     b.ok |= (uint32_t)ok << k;
   }
   return b;
@@ -320,11 +320,8 @@ __device__ __forceinline__ void wide64_pv_shared_p(float (&o)[128], uint32_t p_p
 template <int HALF>
 __device__ __forceinline__ void wide64_zero_rows(uint32_t kbuf, int from, int tid) {
   using W = Wide64Sm90;
-#pragma unroll 4
-  for (int i = tid; i < 4 * W::BK * 8; i += 128) {
-    const int t = i >> 9, r = (i >> 3) & (W::BK - 1), c = i & 7;
-    if (r >= from) st_shared_v4(kbuf + (4 * HALF + t) * W::TILE + r * 128 + c * 16, make_uint4(0, 0, 0, 0));
-  }
+  static_assert(W::TILE == kKeyPanelBytes, "the tiles are key panels");
+  zero_key_panel_rows(kbuf + 4 * HALF * W::TILE, from, tid);
   fence_proxy_async_shared();
   named_barrier_sync(W::kWarpgroup0 + HALF, 128);
 }

@@ -30,7 +30,9 @@ request, "U[lo,hi]"):
 * power (with --power SECONDS): ours' K-call chain run back to back for SECONDS
   while nvidia-smi samples the GPU every 20 ms (benchmarks/gpu_power.py): median
   power and SM clock, the lowest clock, the fraction of samples at the software
-  power cap; a record's "power" field and the fp8 table's last column.
+  power cap; a record's "power" field and the fp8 table's last column. Each
+  peer's CUDA graph is run back to back the same way ("fa3_power",
+  "flashmla_power"), so that a shape's clock under the cap can be compared.
 
 Bytes = kv tokens x 576 x 2 (each request's keys read once); FLOPs =
 2 * H * (576 + 512) * sum over query tokens of the keys each sees.
@@ -306,8 +308,9 @@ def _event_time(torch, fn, reps):
     return statistics.median(ts)
 
 
-def graph_time(torch, calls, name, n_calls, reps):
-    """Seconds per call of `calls` (n_calls launches) replayed as one CUDA graph (eager if capture fails)."""
+def graph_time(torch, calls, name, n_calls, reps, power_s=0.0):
+    """(seconds per call of `calls` (n_calls launches) replayed as one CUDA graph (eager if capture fails),
+    the power summary of the replay run back to back for power_s seconds (gpu_power; None at 0))."""
     calls()
     torch.cuda.synchronize()
     fn = calls
@@ -321,7 +324,9 @@ def graph_time(torch, calls, name, n_calls, reps):
     except Exception as e:  # eager launches then; slower on small shapes
         print(f"  ({name}: no graph capture: {type(e).__name__}: {e})", flush=True)
         torch.cuda.synchronize()
-    return _event_time(torch, fn, reps) / n_calls
+    t = _event_time(torch, fn, reps) / n_calls
+    power = gpu_power.sample_back_to_back(fn, lambda _: torch.cuda.synchronize(), power_s) if power_s > 0 else None
+    return t, power
 
 
 def copy_ceiling(torch):
@@ -360,8 +365,8 @@ class FlashInferPeer:
         self.version = getattr(flashinfer, "__version__", "?")
         self.workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
 
-    def run(self, backend, inp: Inputs, n_calls, reps=9):
-        """(seconds per call, output of the first call as float32 numpy)."""
+    def run(self, backend, inp: Inputs, n_calls, reps=9, power_s=0.0):
+        """(seconds per call, output of the first call as float32 numpy, power summary or None)."""
         torch = self.torch
         b, l, h, ps, q = inp.shape
         w = self.cls(self.workspace, backend=backend)
@@ -383,7 +388,8 @@ class FlashInferPeer:
 
         w.run(qn[0], qp[0], ckv[0], kpe[0], out=outs[0])
         first = outs[0].float().cpu().numpy()
-        return graph_time(torch, calls, f"flashinfer {backend}", n_calls, reps), first
+        t, power = graph_time(torch, calls, f"flashinfer {backend}", n_calls, reps, power_s)
+        return t, first, power
 
 
 class FlashMLAPeer:
@@ -404,7 +410,7 @@ class FlashMLAPeer:
             return "one q_len per batch only"
         return None
 
-    def run(self, name, inp: Inputs, n_calls, reps=9):
+    def run(self, name, inp: Inputs, n_calls, reps=9, power_s=0.0):
         torch = self.torch
         b, l, h, ps, q = inp.shape
         sq = inp.uniform_q
@@ -425,9 +431,9 @@ class FlashMLAPeer:
                 self.mod.dense_decode_fwd(qs[k], kc[k % inp.n_sets], D_CKV, seqlens, table, SCALE, causal,
                                           meta, nsplits)
 
-        t = graph_time(torch, calls, "flashmla", n_calls, reps)
+        t, power = graph_time(torch, calls, "flashmla", n_calls, reps, power_s)
         del kc, qs
-        return t, first
+        return t, first, power
 
 
 # ---- driver ------------------------------------------------------------------------------
@@ -479,8 +485,10 @@ def bench_shape(s, peers, copy_bps, sweep_targets=None, kv_dtype="bfloat16", pow
             rec[f"{name}_skipped"] = why
             continue
         try:
-            t, out = peer.run(name, inp, k2)
+            t, out, power = peer.run(name, inp, k2, power_s=power_s)
             rec[f"{name}_us"] = t * 1e6
+            if power is not None:
+                rec[f"{name}_power"] = power
             rec[f"{name}_vs_ours_rel_err"] = float(np.linalg.norm(out - ours) / max(np.linalg.norm(out), 1e-30))
         except Exception as e:
             print(f"  {name} failed on {shape_name(s)}: {type(e).__name__}: {e}", flush=True)
@@ -551,6 +559,23 @@ def table(records, copy_bps):
     return "\n".join(lines)
 
 
+def power_table(records):
+    """Power and SM clock of ours and each peer run back to back (--power), where any was sampled."""
+    names = [n for n in ("fa3", "flashmla") if any(r.get(f"{n}_power") for r in records)]
+    if not any(r.get("power") for r in records) and not names:
+        return ""
+    lines = ["\n\nRun back to back (--power): W, SM MHz median, % of samples at the power cap\n",
+             "| shape | ours | " + " | ".join(PEER_TITLES[n] for n in names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for r in records:
+        lines.append(f"| {shape_name(shape_of(r))} | {power_cell(r.get('power'))} | "
+                     + " | ".join(power_cell(r.get(f"{n}_power")) for n in names) + " |")
+    return "\n".join(lines)
+
+
+PEER_TITLES = {"fa3": "fa3", "flashmla": "FlashMLA"}
+
+
 def fp8_table(recs):
     if not recs:
         return ""
@@ -618,6 +643,9 @@ def main():
     ap.add_argument("--flashmla", default=None, help="FlashMLA peer kit directory (built on first use)")
     ap.add_argument("--fp8-only", action="store_true", help="only the fp8-cache shapes and their bf16 baselines")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8-cache shapes")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="only the shapes whose name (as printed, e.g. '128x4096 h128', or 128x4096_h128) contains "
+                         "NAME; repeatable")
     ap.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
                     help="also run each shape's chain back to back this long, sampling power and SM clock")
     args = ap.parse_args()
@@ -647,6 +675,9 @@ def main():
                 print(f"flashmla not available: {type(e).__name__}: {e}", flush=True)
 
     shapes = [] if args.fp8_only else list(TARGETS) + ([] if args.quick else EXTRA_SHAPES)
+    # (underscores for spaces, so that a name passes through a shell variable unquoted)
+    picked = lambda s: not args.only or any(n.replace("_", " ") in shape_name(s) for n in args.only)
+    shapes = [s for s in shapes if picked(s)]
     records = []
     for s in shapes:
         t0 = time.time()
@@ -661,6 +692,8 @@ def main():
     if not args.no_fp8:
         print("\nfp8 cache (e4m3 ckv, bf16 kpe) against the bf16 cache of the same shape:", flush=True)
         for s, targets in FP8_SHAPES:
+            if not picked(s):
+                continue
             base = next((r for r in records if shape_of(r) == s), None)
             if base is None:
                 base = bench_shape(s, {}, copy_bps, power_s=args.power)
@@ -689,7 +722,7 @@ def main():
             sweep.append(rec)
             print(f"| {shape_name(s)} | " + " | ".join(f"{x['us']:.1f}" for x in rec["sweep"]) + " |", flush=True)
 
-    md = table(records, copy_bps) + fp8_table(fp8_records)
+    md = table(records, copy_bps) + power_table(records) + fp8_table(fp8_records)
     meta = dict(device=dev.device_kind, jax=jax.__version__, copy_ceiling_GBps=copy_bps / 1e9,
                 matmul_TFLOPs=peak / 1e12 if peak else None, default_target=str(default_target()),
                 flashinfer=peers["fa3"].version if "fa3" in peers else None,

@@ -7,6 +7,7 @@ compute-sanitizer runs, and the check of its outputs against NumPy.
     python3 tools/sanitize_harness/cases.py timing DIR   # plans of the `timing` and `fp8` shapes (--time)
     python3 tools/sanitize_harness/cases.py timing DIR --l2  # ... with every page id drawn from 32 pages
     python3 tools/sanitize_harness/cases.py timing DIR --tag wide  # ... of the shapes tagged `wide` instead
+    python3 tools/sanitize_harness/cases.py timing DIR --tag fp8 --batches 124,128,132  # each at these batches
     python3 tools/sanitize_harness/cases.py make DIR --wide  # only the cases with units of > 16 rows
     python3 tools/sanitize_harness/cases.py profile DIR  # the `profile` shapes (ncu)
 
@@ -17,6 +18,7 @@ device lengths below the planned ones; bf16, fp16 and f32.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 import sys
@@ -66,14 +68,19 @@ def _write_case(path, header, float_arrays, int_arrays):
 L2_PROBE_PAGES = 32  # timing --l2: the pages every page id is drawn from (their keys stay in L2)
 
 
-def make_timing(d, l2_probe=False, tag=None):
+def make_timing(d, l2_probe=False, tag=None, batches=None):
     """Timing cases (no data: the driver draws it on the device) of the `timing` and `fp8` shapes, or
     of the shapes tagged `tag`. `l2_probe`: the same plans with every page id drawn from L2_PROBE_PAGES
     pages, so the keys come from L2: how fast a body runs when memory latency and bandwidth are taken
-    away (ffi/cuda/NOTES.md uses it to tell memory-bound from not)."""
+    away (ffi/cuda/NOTES.md uses it to tell memory-bound from not). `batches`: each shape of equal
+    lengths and more than one request once per batch size instead (the 124 / 128 / 132 requests of
+    NOTES.md, "bound per SM or by the aggregate copy"); the other shapes are left out."""
     os.makedirs(d, exist_ok=True)
     rng = np.random.default_rng(5)
     specs = arg_specs(tag) if tag else arg_specs("timing") + arg_specs("fp8")  # fp8: e4m3 ckv (bf16 q, kpe)
+    if batches:
+        specs = [dataclasses.replace(s, batch=b) for s in specs
+                 if (s.batch or 0) > 1 and isinstance(s.kv_lens, int) for b in batches]
     for k, spec in enumerate(specs):
         b, h, ps = spec.num_requests, spec.heads, spec.page_size
         qo, kv = spec.lengths()
@@ -203,7 +210,10 @@ def is_wide(spec):
 if __name__ == "__main__":
     cmd, d, opts = sys.argv[1], sys.argv[2], sys.argv[3:]
     if cmd == "timing":
-        sys.exit(make_timing(d, l2_probe="--l2" in opts, tag=opts[opts.index("--tag") + 1] if "--tag" in opts else None))
+        value = lambda flag: opts[opts.index(flag) + 1] if flag in opts else None
+        batches = value("--batches")
+        sys.exit(make_timing(d, l2_probe="--l2" in opts, tag=value("--tag"),
+                             batches=[int(b) for b in batches.split(",")] if batches else None))
     if cmd == "profile":
         sys.exit(make(d, arg_specs("profile"), checked=False))
     if cmd == "make":

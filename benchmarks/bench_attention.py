@@ -559,9 +559,12 @@ def table(records, copy_bps):
     return "\n".join(lines)
 
 
+PEER_TITLES = {"fa3": "fa3", "flashmla": "FlashMLA"}
+
+
 def power_table(records):
     """Power and SM clock of ours and each peer run back to back (--power), where any was sampled."""
-    names = [n for n in ("fa3", "flashmla") if any(r.get(f"{n}_power") for r in records)]
+    names = [n for n in PEER_TITLES if any(r.get(f"{n}_power") for r in records)]
     if not any(r.get("power") for r in records) and not names:
         return ""
     lines = ["\n\nRun back to back (--power): W, SM MHz median, % of samples at the power cap\n",
@@ -571,9 +574,6 @@ def power_table(records):
         lines.append(f"| {shape_name(shape_of(r))} | {power_cell(r.get('power'))} | "
                      + " | ".join(power_cell(r.get(f"{n}_power")) for n in names) + " |")
     return "\n".join(lines)
-
-
-PEER_TITLES = {"fa3": "fa3", "flashmla": "FlashMLA"}
 
 
 def fp8_table(recs):

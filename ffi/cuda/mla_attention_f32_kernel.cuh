@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) mla_attention_f32_kernel(const Probl
     const int limit = row_key_limit(u, r, rows, hb);
     for (int key = u.kv_begin; key < limit; ++key) {
       const int page = __ldg(pt_row + (key >> p.log2_page_size));
-      if (page < 0 || page >= p.num_pages) continue;  // skipped page: its keys are masked
+      if (!page_in_cache(p, page)) continue;  // skipped page: its keys are masked
       const size_t slot = (size_t)page * p.page_size + (key & (p.page_size - 1));
       float v[16];
 #pragma unroll

@@ -60,6 +60,10 @@ struct Problem {
   float scale_log2;           // sm_scale * log2(e): scores live in base 2
 };
 
+// Whether a page id from the page table names a page of the cache. Its keys are read only then;
+// otherwise they are masked (a skipped or bad page id never reaches an address).
+__device__ __forceinline__ bool page_in_cache(const Problem& p, int page) { return page >= 0 && page < p.num_pages; }
+
 // The sizes and derived constants of a Problem, from the operands' shapes: one
 // definition for the FFI handler and the standalone driver. Counts past int32
 // are clamped (the handler refuses the ones it cannot index); an empty cache or

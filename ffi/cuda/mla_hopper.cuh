@@ -168,21 +168,8 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* map, int c
 #endif
 }
 
-// tma_load_2d with an L2 evict-first policy: for data read once (or twice, close together).
-__device__ __forceinline__ void tma_load_2d_evict_first(uint32_t dst, const void* map, int c0, int c1, uint32_t bar) {
-#ifdef JAX_MLA_HAS_WGMMA
-  asm volatile(
-      "{\n.reg .b64 pol;\n"
-      "createpolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint "
-      "[%0], [%1, {%2, %3}], [%4], pol;\n}\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-#endif
-}
-
-// tma_load_2d with an L2 cache policy made once by the caller (l2_evict_first_policy): for a thread
-// that issues many boxes.
+// tma_load_2d with an L2 cache policy (l2_evict_first_policy: for data read once, or twice close
+// together), made by the caller once for many boxes or per box (ptxas hoists it).
 __device__ __forceinline__ void tma_load_2d_hint(uint32_t dst, const void* map, int c0, int c1, uint32_t bar,
                                                  uint64_t policy) {
 #ifdef JAX_MLA_HAS_WGMMA

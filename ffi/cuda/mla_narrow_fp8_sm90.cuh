@@ -180,7 +180,7 @@ __device__ __forceinline__ void narrow_fp8_tma_producer(const Problem& p, const 
     for (int b = 0; b < 2; ++b) {
       const int page = __shfl_sync(0xffffffffu, pages, 2 * (j % GROUP) + b);
       const int key = key0 + b * N::BOX;
-      ok[b] = key < u.range_end && page >= 0 && page < p.num_pages;
+      ok[b] = key < u.range_end && page_in_cache(p, page);
       row[b] = tma_box_row(ok[b], page, key, p.page_size, N::BOX);
     }
     // The flags of keys 2 lane and 2 lane + 1 (box lane / 16), published by this lane's arrival.

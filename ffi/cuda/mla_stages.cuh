@@ -72,7 +72,7 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
     const int kl = pass * KPP + (tid >> 3);
     const int key = kv_begin + blk * BK + kl;
     const int page = pages[kl];
-    const bool ok = key < u.range_end && page >= 0 && page < p.num_pages;
+    const bool ok = key < u.range_end && page_in_cache(p, page);
     const size_t slot = ok ? (size_t)page * p.page_size + (key & (p.page_size - 1)) : 0;
     gather_key_row<kCache>([&](int c) { return chunk(kl, c); }, ckv + slot * F::kCkvBytes, kpe + slot * F::kKpeBytes,
                            sub, ok ? 16 : 0);

@@ -152,7 +152,7 @@ __device__ __forceinline__ Wide64Rows wide64_block_rows(const Problem& p, const 
       break;
     }
     const int page = g.page[k];
-    const bool ok = page >= 0 && page < p.num_pages;
+    const bool ok = page_in_cache(p, page);
     b.row[k] = tma_box_row(ok, page, key, p.page_size, maps.box_rows);
     b.ok |= (uint32_t)ok << k;
   }
@@ -170,7 +170,7 @@ __device__ __forceinline__ void wide64_load_tile(const KeyTensorMaps& maps, uint
   using W = Wide64Sm90;
   const uint32_t dst = W::buf_addr(base, buf) + t * W::TILE, bar = W::full_bar(base, buf, t);
   mbar_arrive_expect_tx(bar, W::TILE);
-  tma_load_2d_evict_first(dst, map, col, b.row[0], bar);
+  tma_load_2d_hint(dst, map, col, b.row[0], bar, l2_evict_first_policy());
   if (maps.box_rows != W::BK) tma_load_2d(dst + W::TILE / 2, map, col, b.row[1], bar);
 }
 

@@ -181,7 +181,7 @@ __device__ __forceinline__ void wide_load_keys(const Problem& p, const KeyTensor
     const int page = page_next;
     page_next = page_of(blk + 1);
     const int key_base = kv_begin + blk * W::BK;
-    const bool ok = key_base + key_in_block < u.range_end && page >= 0 && page < p.num_pages;
+    const bool ok = key_base + key_in_block < u.range_end && page_in_cache(p, page);
     const uint32_t ok_bits = __ballot_sync(0xffffffffu, ok) & kAllKeys;  // bit j: key w + WARPS j
     const uint32_t st = W::stage_addr(base, stage);
     const int in_page = key_base & (p.page_size - 1);

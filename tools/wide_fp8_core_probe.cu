@@ -55,8 +55,8 @@ constexpr int kRedOff = kPOff + 2 * kPanel;     // float [8 warps][64 rows]
 constexpr int kStatOff = kRedOff + 8 * 64 * 4;  // float2 [64]: max, alpha
 constexpr int kSmemBytes = kStatOff + 64 * 8 + 1024;
 
-// Four k16 steps of S^T's A for this warp's 16 keys from raw panel `panel` (dims 128 p ..): k32 groups
-// 2 h and 2 h + 1 of the panel (h = 0..3 picks dims 32 h .. 32 h + 31... two groups: 64 dims).
+// Four k16 steps of S^T's A for this warp's 16 keys from raw panel `panel` (128 dims): `half` 0 or 1
+// picks the panel's dims 64 half .. 64 half + 63 (chunks 4 half .. 4 half + 3).
 __device__ __forceinline__ void s_fragments(uint32_t (&a)[4][4], uint32_t panel, int half, int warp, int lane) {
   const int row = 16 * warp + (lane & 7) + ((lane >> 3) & 1) * 8;
 #pragma unroll
@@ -142,21 +142,19 @@ __global__ void __launch_bounds__(256, 1) core(int iters, long long* cycles, uin
       wgmma_wait<0>();
       fence_registers(o128);
       named_barrier_sync(1, 256);
-    } else if constexpr (MODE == kRsConst) {
+    } else if constexpr (MODE == kRsConst || MODE == kRsE4m3) {
+      // A pair's FMAs from fixed A registers: 68 fp16 k16 steps, or 34 e4m3 k32 steps.
+      constexpr int kSteps = MODE == kRsE4m3 ? 34 : 68;
       wgmma_fence();
 #pragma unroll
-      for (int step = 0; step < 68; ++step)
-        wgmma_64x64_rs<__half>(o[step & 3], rope[step & 3], sw128_desc_at(q_lo, ((step >> 2) % 9) * kPanel + (step & 3) * 32), 1);
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < 4; ++i) fence_registers(o[i]);
-      named_barrier_sync(1, 256);
-    } else if constexpr (MODE == kRsE4m3) {
-      wgmma_fence();
-#pragma unroll
-      for (int step = 0; step < 34; ++step)
-        wgmma_64x64_rs_e4m3(o[step & 3], rope[step & 3], sw128_desc_at(q_lo, ((step >> 2) % 9) * kPanel + (step & 3) * 32));
+      for (int step = 0; step < kSteps; ++step) {
+        const uint64_t desc_b = sw128_desc_at(q_lo, ((step >> 2) % 9) * kPanel + (step & 3) * 32);
+        if constexpr (MODE == kRsE4m3) {
+          wgmma_64x64_rs_e4m3(o[step & 3], rope[step & 3], desc_b);
+        } else {
+          wgmma_64x64_rs<__half>(o[step & 3], rope[step & 3], desc_b, 1);
+        }
+      }
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll

@@ -163,12 +163,21 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
       constexpr bool kWide64Cache = kCache != kCacheFp8CkvKpe;
 #endif
       if constexpr (kWide64Cache) {
-        // A cache read by TMA (a 16-bit cache, or an fp8 ckv with kpe 16-bit), and 64 heads or more:
-        // the instance with the 64-key body. Its two key buffers suit units of 64 rows, where the
-        // MMAs bound the time; narrower units (fewer heads, whatever the q_len) are bound by the copy
-        // and keep v5b's deeper ring (ffi/cuda/NOTES.md, "v8"). An fp8 block is converted to fp16 in
-        // its buffer by the warpgroup that multiplies it ("fp8 on the 64-key body").
+        // A cache read by TMA: the instance with the 64-key body. A 16-bit cache takes it at every
+        // head count: its units of 17-63 rows (16 heads x 2-4 tokens, 20-32 heads; q_len folded into
+        // the rows) ran 6-11% faster on the 64-key body than on v5b's producer body in the driver
+        // (0.4-7% through JAX), and its narrow units run the same narrow body here
+        // (ffi/cuda/NOTES.md, "wide units of every head count on the 64-key body"). An fp8 ckv takes
+        // it at 64 heads or more; with fewer, its narrow units want the fp8 narrow body's producer
+        // warpgroup (the 384-thread instance), and its wider units v5b's converting producer. An fp8
+        // block is converted to fp16 in its buffer by the warpgroup that multiplies it ("fp8 on the
+        // 64-key body"). -DJAX_MLA_WIDE64_FROM_64_HEADS: a 16-bit cache too only at 64 heads or more
+        // (the rule before; an A/B switch).
+#ifdef JAX_MLA_WIDE64_FROM_64_HEADS
         if (p.num_heads >= Wide64Sm90::ROWS) {
+#else
+        if (kCache == kCacheAsQuery || p.num_heads >= Wide64Sm90::ROWS) {
+#endif
           const KeyTensorMaps maps =
               key_tensor_maps<T, kCache>(p, p.page_size >= Wide64Sm90::BK ? Wide64Sm90::BK : WideSm90::BK);
           if (maps.enabled) {

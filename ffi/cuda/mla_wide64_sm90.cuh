@@ -1,8 +1,8 @@
 // The wide body for caches read by TMA (page size >= 32; a 16-bit cache, or an fp8 ckv with a
 // 16-bit kpe): two warpgroups, no producer, 64-key blocks (ffi/cuda/NOTES.md, "v8", "v8f", "fp8 on
-// the 64-key body"), launched for 64 heads or more (mla_launch.cuh). mla_wide_sm90.cuh's body (v5b)
-// keeps the rest: fewer heads, page sizes below 32; an fp8 kpe and a unit start off a 32-key boundary
-// take the portable body.
+// the 64-key body"), launched for every head count on a 16-bit cache and for 64 heads or more on an
+// fp8 ckv (mla_launch.cuh). mla_wide_sm90.cuh's body (v5b) keeps the rest: page sizes below 32, an fp8
+// ckv below 64 heads; an fp8 kpe and a unit start off a 32-key boundary take the portable body.
 //
 // One block = one work unit x 64 rows (padding rows zero). Shared memory holds the latent
 // queries (eight 128-byte-swizzled panels of 64 dims), two key buffers of one 64-key block each

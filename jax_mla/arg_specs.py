@@ -275,9 +275,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
             tags=_tags("small", "sweep")),
     ArgSpec(16, 128, (1, 1), (1500, 130), dtype="float16", kv_dtype="float8_e4m3fn", split=True,
             tags=_tags("small", "sweep")),
-    # (after it) units of 17-32 rows on a 16-bit cache (the narrow body's two row tiles): 24 heads on
-    # pages of one key with page ids outside the cache; 16 heads x 2 tokens (causal) on pages of 128
-    # keys, split, a partial last block
+    # (after it) units of 17-32 rows on a 16-bit cache: 24 heads on pages of one key with page ids
+    # outside the cache (the producer body's cp.async path); 16 heads x 2 tokens (causal within a unit)
+    # on pages of 128 keys, split, a partial last block (the 64-key body)
     ArgSpec(24, 1, (1, 1, 1), (300, 45, 2), dtype="float16", bad_pages=True, split=True,
             tags=_tags("small", "sweep")),
     ArgSpec(16, 128, (2, 2, 1), (900, 130, 257), split=True, tags=_tags("small", "sweep")),

@@ -2,10 +2,10 @@
 // Units of at most 16 query rows take the narrow body (mla_narrow_kernel.cuh); wider units take a
 // wgmma body. Two instances per cache: kWide64 (256 threads; launched for caches read by TMA: a
 // 16-bit cache at any head count, an fp8 ckv with 64 heads or more, mla_launch.cuh) holds the
-// two-warpgroup body of 64-key blocks (mla_wide64_sm90.cuh); the other (384 threads: pages of fewer than
-// 32 keys, fp8 caches below 64 heads) the producer / two-consumer body (mla_wide_sm90.cuh). Each
-// instance holds only its own wide body, so that ptxas makes of one what it would alone. An fp8 kpe
-// takes the portable wide body (mla_attention_kernel.cuh).
+// two-warpgroup body of 64-key blocks (mla_wide64_sm90.cuh); the other (384 threads: pages of fewer
+// than 32 keys, an fp8 ckv below 64 heads, an fp8 kpe) the producer / two-consumer body
+// (mla_wide_sm90.cuh). Each instance holds only its own wide body, so that ptxas makes of one what it
+// would alone. An fp8 kpe takes the portable wide body (mla_attention_kernel.cuh).
 #pragma once
 
 #include "mla_narrow_fp8_sm90.cuh"

@@ -51,6 +51,9 @@ class PlanTarget:
     unit_overhead: fixed cost of a unit in kv-token equivalents (launch, q load,
       output and merge traffic); used to decide whether splitting pays, and
       what a cut costs when a ragged batch is packed onto the workers.
+    wide_unit_overhead: the same for units of full 64-row tiles read by TMA
+      (num_heads >= 64 on pages of >= 32 keys: the CUDA kernel's 64-key body,
+      whose query tile and 64-row epilogue cost more a unit); None: unit_overhead.
     """
 
     num_workers: int
@@ -58,27 +61,47 @@ class PlanTarget:
     min_chunk: int = 256
     chunk_align: int = 64
     unit_overhead: int = 128
+    wide_unit_overhead: int | None = None
 
     def __post_init__(self):
         for name in ("num_workers", "min_chunk", "chunk_align"):
             v = getattr(self, name)
             if not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"PlanTarget.{name} must be a positive int, got {v!r}")
+        for name in ("unit_overhead", "wide_unit_overhead"):
+            v = getattr(self, name)
+            if not (v is None and name == "wide_unit_overhead") and (not isinstance(v, (int, np.integer)) or v < 0):
+                raise ValueError(f"PlanTarget.{name} must be a non-negative int, got {v!r}")
+
+    def overhead_for(self, num_heads: int, page_size: int) -> int:
+        """The unit cost the planner uses for a call of num_heads heads on pages of page_size keys."""
+        if self.wide_unit_overhead is not None and num_heads >= ROWS_PER_TILE and page_size >= WIDE_TMA_MIN_PAGE:
+            return int(self.wide_unit_overhead)
+        return int(self.unit_overhead)
+
+
+# Smallest page size whose blocks the CUDA kernel reads by TMA (its boxes are 32 keys of one page).
+WIDE_TMA_MIN_PAGE = 32
 
 
 def default_target(device: Any = None) -> PlanTarget:
     """The plan target for `device` (default: JAX's first device).
 
     GPU: one unit per SM (the CUDA kernel's measured sweet spot), a unit's fixed
-    cost taken as 256 keys (on an H200 ragged batches packed with 256 ran
-    within 2% of the best of 128 / 256 / 512 on every shape tried); CPU: a few
-    units per thread so that uneven requests still balance.
+    cost taken as 256 keys, and 384 for full 64-row tiles read by TMA (64+ heads,
+    pages of 32+ keys). On an H200, ragged batches packed with 256 ran within 2%
+    of the best of 128 / 256 / 512 on every shape tried; at 64 and 128 heads 384
+    ran 1.2-2.0% faster than 256 on three ragged batches, while below 64 heads a
+    larger cost gained under 1% or lost, and on pages of 16 keys it lost
+    (ffi/cuda/NOTES.md, "a unit cost per body"). CPU: a few units per thread so
+    that uneven requests still balance.
     """
     if device is None:
         device = jax.devices()[0]
     if device.platform == "gpu":
         sms = int(getattr(device, "core_count", 0) or 132)
-        return PlanTarget(num_workers=sms, units_per_worker=1.0, min_chunk=256, chunk_align=64, unit_overhead=256)
+        return PlanTarget(num_workers=sms, units_per_worker=1.0, min_chunk=256, chunk_align=64, unit_overhead=256,
+                          wide_unit_overhead=384)
     threads = os.cpu_count() or 1
     return PlanTarget(num_workers=threads, units_per_worker=4.0, min_chunk=512, chunk_align=64)
 
@@ -223,7 +246,8 @@ def plan_mla(
     work, merge, tokens, n_tok, q_tile, n_partial = native(
         qo, kv, num_heads, page_size, -1 if num_tokens is None else num_tokens,
         -1 if max_pages_per_request is None else max_pages_per_request, target.num_workers,
-        float(target.units_per_worker), target.min_chunk, target.chunk_align, target.unit_overhead,
+        float(target.units_per_worker), target.min_chunk, target.chunk_align,
+        target.overhead_for(num_heads, page_size),
         min_work_units, min_partial_rows)
     return MLAPlan._make(work, merge, tokens, n_tok, int(num_heads), int(page_size), qo.size, q_tile,
                          n_partial)
@@ -399,11 +423,12 @@ def plan_mla_numpy(
     # sum(ceil(kv / chunk)) fits, then cut every tile into equal parts. (A single
     # batch-wide chunk leaves a short last split per tile and idles SMs.)
     slots = int(target.num_workers * target.units_per_worker) // head_blocks
+    ovh = target.overhead_for(num_heads, page_size)  # a unit's fixed cost, in keys
     max_kv = int(tile_kv.max()) if n_t else 0
     align = target.chunk_align
     chunk = 0  # no split
     if slots > n_t and max_kv > target.min_chunk:
-        c = -(-(int(tile_kv.sum()) + n_t * target.unit_overhead) // slots)
+        c = -(-(int(tile_kv.sum()) + n_t * ovh) // slots)
         c = -(-max(c, target.min_chunk) // align) * align
         for _ in range(16):
             units = int(np.maximum(1, -(-tile_kv // c)).sum())
@@ -436,7 +461,6 @@ def plan_mla_numpy(
     # out when it frees. Taken when the cost model says it is clearly shorter and it fits the
     # buckets above (which depend on the tile count only).
     packed = None
-    ovh = target.unit_overhead
     if chunk:  # equal parts of each tile, aligned
         n_split = np.maximum(1, -(-tile_kv // chunk))
         tile_chunk = np.maximum(-(-(-(-tile_kv // n_split)) // align) * align, align)

@@ -238,7 +238,8 @@ def test_native_planner_makes_the_numpy_plan(data):
                                 units_per_worker=data.draw(st.sampled_from([0.5, 1.0, 1.5, 4.0])),
                                 min_chunk=data.draw(st.sampled_from([1, 64, 256, 512])),
                                 chunk_align=data.draw(st.sampled_from([1, 16, 64])),
-                                unit_overhead=data.draw(st.sampled_from([0, 128]))),
+                                unit_overhead=data.draw(st.sampled_from([0, 128])),
+                                wide_unit_overhead=data.draw(st.sampled_from([None, 384]))),
               min_work_units=data.draw(st.sampled_from([1, 16])),
               min_partial_rows=data.draw(st.sampled_from([1, 16])))
     if data.draw(st.booleans(), label="padding tokens"):
@@ -259,6 +260,48 @@ def test_planners_take_any_integer_dtype(dtype):
 def test_default_target_matches_platform():
     t = P.default_target()
     assert t.num_workers >= 1
+
+
+class _FakeDevice:
+    def __init__(self, platform, core_count=0):
+        self.platform, self.core_count = platform, core_count
+
+
+def test_default_gpu_target_costs_full_tma_tiles_more():
+    t = P.default_target(_FakeDevice("gpu", 132))
+    assert (t.num_workers, t.unit_overhead, t.wide_unit_overhead) == (132, 256, 384)
+    # 64+ heads on pages the kernel reads by TMA take the wide cost; fewer heads or smaller pages do not
+    assert t.overhead_for(128, 64) == t.overhead_for(64, 32) == 384
+    assert t.overhead_for(63, 64) == t.overhead_for(128, 16) == t.overhead_for(16, 256) == 256
+    assert P.default_target(_FakeDevice("cpu")).overhead_for(128, 64) == P.default_target(_FakeDevice("cpu")).unit_overhead
+
+
+@pytest.mark.parametrize("planner", ["native", "numpy"])
+def test_wide_unit_overhead_plans_full_tma_tiles_only(planner):
+    """A ragged batch at 128 heads on pages of 64 packs with wide_unit_overhead (its plan differs from
+    unit_overhead's), the same batch at 32 heads or on pages of 16 with unit_overhead."""
+    plan_fn = PLANNERS[planner]()
+    kv = np.random.default_rng(5).integers(1000, 8193, 32)
+    qo = np.ones(32, int)
+    both = PlanTarget(num_workers=132, unit_overhead=256, wide_unit_overhead=384)
+    only = lambda ov: PlanTarget(num_workers=132, unit_overhead=ov)
+    for heads, page, ov in ((128, 64, 384), (32, 64, 256), (128, 16, 256)):
+        plan = plan_fn(qo, kv, num_heads=heads, page_size=page, target=both)
+        check_plan(plan, kv)
+        _assert_same_plan(plan, plan_fn(qo, kv, num_heads=heads, page_size=page, target=only(ov)))
+    wide = plan_fn(qo, kv, num_heads=128, page_size=64, target=both)
+    assert not np.array_equal(np.asarray(wide.work), np.asarray(plan_fn(qo, kv, num_heads=128, page_size=64,
+                                                                        target=only(256)).work))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(unit_overhead=-1), "unit_overhead must be a non-negative int, got -1"),
+    (dict(wide_unit_overhead=-5), "wide_unit_overhead must be a non-negative int, got -5"),
+    (dict(wide_unit_overhead=1.5), "wide_unit_overhead must be a non-negative int, got 1.5"),
+])
+def test_plan_target_rejects_bad_overheads(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlanTarget(num_workers=4, **kwargs)
 
 
 def test_plan_bytes_depend_on_batch_not_context():

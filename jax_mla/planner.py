@@ -70,7 +70,9 @@ class PlanTarget:
                 raise ValueError(f"PlanTarget.{name} must be a positive int, got {v!r}")
         for name in ("unit_overhead", "wide_unit_overhead"):
             v = getattr(self, name)
-            if not (v is None and name == "wide_unit_overhead") and (not isinstance(v, (int, np.integer)) or v < 0):
+            if v is None and name == "wide_unit_overhead":
+                continue  # unit_overhead for every unit
+            if not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"PlanTarget.{name} must be a non-negative int, got {v!r}")
 
     def overhead_for(self, num_heads: int, page_size: int) -> int:

@@ -4,7 +4,9 @@ Each shape is planned with every unit cost given, on the GPU's default target ot
 are timed in interleaved rounds through the op's jitted chain (`bench_attention.device_time_ours`),
 so that the costs' times share the device's clocks. Plans equal to the first cost's are not timed again.
 
-    python benchmarks/bench_unit_overhead.py [--overheads 256 384 512] [--rounds 3] [--out DIR]
+    python benchmarks/bench_unit_overhead.py [--overheads 256 384 512] [--rounds 3] [--out DIR] [--small]
+
+(--small: two tiny batches, for a smoke run on the CPU.)
 
 Writes DIR/unit_overhead.json (default benchmarks/results/h200_unit_overhead.json is where the H200 run
 lives) and prints a Markdown table.
@@ -35,6 +37,7 @@ SHAPES = [
     (100, ("U", 1, 4096, 3), 16, 64, 1),
     (40, ("U", 64, 8192, 13), 128, 16, 1),
 ]
+SMALL_SHAPES = [(6, ("U", 100, 900, 5), 64, 64, 1), (4, ("U", 50, 600, 3), 16, 16, ("U", 1, 2))]
 
 
 def main():
@@ -43,11 +46,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=8, help="calls per timed chain")
     ap.add_argument("--out", default=None, help="write unit_overhead.json here")
+    ap.add_argument("--small", action="store_true", help="two tiny batches (a smoke run)")
     args = ap.parse_args()
+    if args.calls < 2 or args.rounds < 1 or not args.overheads:
+        ap.error("--calls must be >= 2, --rounds >= 1, and --overheads name at least one cost")
     base = default_target()
     print(f"default target {base}", flush=True)
     records = []
-    for s in SHAPES:
+    for s in SMALL_SHAPES if args.small else SHAPES:
         inp = B.Inputs(s, args.calls)
         plans = {ov: inp.plan(PlanTarget(num_workers=base.num_workers, units_per_worker=base.units_per_worker,
                                          min_chunk=base.min_chunk, chunk_align=base.chunk_align, unit_overhead=ov))
@@ -59,7 +65,9 @@ def main():
 
         def once(ov):
             d = B.device_time_ours(inp, plans[ov], args.calls, reps=3)
-            return (d if d is not None else B.time_ours(inp, plans[ov], 2, args.calls, reps=5)) * 1e6
+            # without kernel timestamps (no profiler, the CPU): wall time from two chain lengths
+            return (d if d is not None else B.time_ours(inp, plans[ov], max(1, args.calls // 4), args.calls,
+                                                        reps=5)) * 1e6
 
         once(first)  # warm-up: compile, first trace
         us = {ov: [] for ov in timed}

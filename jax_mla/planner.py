@@ -38,6 +38,10 @@ __all__ = ["MLAPlan", "PlanTarget", "plan_mla", "plan_mla_numpy", "default_targe
 INT32_MAX = 2**31 - 1
 
 
+# Smallest page size whose blocks the CUDA kernel reads by TMA (its boxes are 32 keys of one page).
+WIDE_TMA_MIN_PAGE = 32
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanTarget:
     """What the plan is balanced for.
@@ -81,9 +85,6 @@ class PlanTarget:
             return int(self.wide_unit_overhead)
         return int(self.unit_overhead)
 
-
-# Smallest page size whose blocks the CUDA kernel reads by TMA (its boxes are 32 keys of one page).
-WIDE_TMA_MIN_PAGE = 32
 
 
 def default_target(device: Any = None) -> PlanTarget:

@@ -51,6 +51,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,CUSTO
                                    "--xla_gpu_graph_min_graph_size=1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import glob  # noqa: E402
 import gzip  # noqa: E402
@@ -66,7 +67,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_mla import PlanTarget, build_info, default_target, mla_paged_attention, plan_mla  # noqa: E402
+from jax_mla import build_info, default_target, mla_paged_attention, plan_mla  # noqa: E402
 from jax_mla import fp8_scale, mla_paged_attention_reference, quantize_fp8  # noqa: E402
 from jax_mla.arg_specs import Uniform, arg_specs  # noqa: E402
 
@@ -498,8 +499,9 @@ def bench_shape(s, peers, copy_bps, sweep_targets=None, kv_dtype="bfloat16", pow
     if sweep_targets:
         rec["sweep"] = []
         for upw, mc, ov in sweep_targets:
-            tgt = PlanTarget(num_workers=default_target().num_workers, units_per_worker=upw, min_chunk=mc,
-                             chunk_align=64, unit_overhead=ov)
+            # The GPU's default target with the swept knobs (one unit cost for every body, as swept)
+            tgt = dataclasses.replace(default_target(), units_per_worker=upw, min_chunk=mc, unit_overhead=ov,
+                                      wide_unit_overhead=None)
             p = inp.plan(tgt)
             dev_s = device_time_ours(inp, p, k2, reps=5)
             us = (dev_s if dev_s is not None else time_ours(inp, p, k1, k2, reps=7)) * 1e6

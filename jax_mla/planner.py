@@ -86,7 +86,6 @@ class PlanTarget:
         return int(self.unit_overhead)
 
 
-
 def default_target(device: Any = None) -> PlanTarget:
     """The plan target for `device` (default: JAX's first device).
 

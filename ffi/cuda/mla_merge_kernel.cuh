@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
   // Only the merges read what the attention kernel writes. A plan without merge rows (an unsplit
   // batch: the table is bucketed by tile count, so its size cannot tell) does not wait for the
   // attention grid: the blocks zero the padding tokens, if any, and exit, and the kernel ends with the
-  // attention grid instead of ~1.3 us after it (the wait's release, a scan, the exit). Stream order
+  // attention grid instead of ~1 us after it (the wait's release, a scan, the exit). Stream order
   // still puts every later kernel after the attention grid: a dependent launch relaxes only when this
   // kernel may start (FlashMLA's combine kernel returns before its wait in the same way).
 #ifdef JAX_MLA_MERGE_ALWAYS_WAITS  // (an A/B switch: the wait in every plan, as before)
@@ -228,7 +228,8 @@ __global__ void __launch_bounds__(kThreads) mla_merge_kernel(const Problem p) {
 #else
   constexpr bool kAlwaysWait = false;
 #endif
-  if (kAlwaysWait || live > 0) wait_for_primary_grid();  // partials and direct outputs of the attention kernel are complete
+  // The wait: the attention kernel's partials and direct outputs are complete and visible.
+  if (kAlwaysWait || live > 0) wait_for_primary_grid();
 
   // ---- merges: number the tasks 32 merge rows at a time (every warp alike) ----
   long long task_base = 0;

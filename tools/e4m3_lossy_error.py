@@ -1,0 +1,75 @@
+"""How far a lossy e4m3 x e4m3 wide body would land from the float32 reference (issue 10's explicit
+fp8 x fp8 option; ffi/cuda/NOTES.md, "The core of a lossy e4m3 x e4m3 wide body, probed").
+
+Emulated in NumPy for one request of 128 heads over L keys of an e4m3 ckv (raw e4m3 values times a
+per-tensor scale) and a bf16 kpe, as the kernel would compute it: the latent queries brought under
+448 by a power of two per row and rounded to e4m3 (or kept exact), the rope queries in bf16 in the
+same frame, S over all keys, then 64-key blocks with a running max, P = exp(s - m) times 2^8 rounded
+to e4m3 (or kept exact), O += P V on the raw keys, the row sums from P before rounding, the output
+rounded to bf16. The reference is float32 attention on the dequantized cache (the issue's measure).
+Random data as the tests draw it, queries times `query scale` (sharper attention).
+
+    .venv/bin/python tools/e4m3_lossy_error.py
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+E4M3 = ml_dtypes.float8_e4m3fn
+BF16 = ml_dtypes.bfloat16
+SCALE = 1 / np.sqrt(576)
+CKV_SCALE = 0.05
+
+
+def rounded(x, dtype):
+    return x.astype(dtype).astype(np.float32)
+
+
+def relative_error(rng, keys, query_scale, queries_e4m3, p_e4m3, heads=128, block=64):
+    q_nope = rounded(rng.standard_normal((heads, 512)) * query_scale, BF16)
+    q_pe = rounded(rng.standard_normal((heads, 64)) * query_scale, BF16)
+    raw = rounded(rng.standard_normal((keys, 512)) / CKV_SCALE, E4M3)  # the cache's e4m3 values
+    kpe = rounded(rng.standard_normal((keys, 64)), BF16)
+    ckv = raw * CKV_SCALE
+
+    s = (q_nope @ ckv.T + q_pe @ kpe.T) * SCALE
+    p = np.exp(s - s.max(1, keepdims=True))
+    ref = (p @ ckv) / p.sum(1, keepdims=True)
+
+    factor = 2.0 ** np.floor(np.log2(448.0 / np.abs(q_nope).max(1, keepdims=True)))
+    q8 = rounded(q_nope * factor, E4M3) if queries_e4m3 else q_nope * factor
+    rope = rounded(q_pe * factor / CKV_SCALE, BF16)  # the rope part in the latent part's frame
+    s = (q8 @ raw.T + rope @ kpe.T) * (SCALE * CKV_SCALE / factor)
+    m = np.full((heads, 1), -np.inf)
+    l = np.zeros((heads, 1))
+    o = np.zeros((heads, 512))
+    for k0 in range(0, keys, block):
+        sb = s[:, k0:k0 + block]
+        m_new = np.maximum(m, sb.max(1, keepdims=True))
+        alpha = np.exp(m - m_new)
+        pb = np.exp(sb - m_new)
+        p8 = rounded(pb * 256.0, E4M3) if p_e4m3 else pb * 256.0
+        l = l * alpha + pb.sum(1, keepdims=True)
+        o = o * alpha + p8 @ raw[k0:k0 + block]
+        m = m_new
+    out = rounded(o / 256.0 * CKV_SCALE / l, BF16)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+def main():
+    rng = np.random.default_rng(0)
+    cases = [("e4m3", "e4m3", True, True), ("e4m3", "exact", True, False), ("exact", "e4m3", False, True),
+             ("exact", "exact", False, False)]
+    print("| keys | query scale | queries | P | relative error (mean of 3 draws) |")
+    print("|---|---|---|---|---|")
+    for keys in (1000, 4096):
+        for query_scale in (1.0, 3.0):
+            for q_name, p_name, q8, p8 in cases:
+                err = np.mean([relative_error(rng, keys, query_scale, q8, p8) for _ in range(3)])
+                print(f"| {keys} | {query_scale} | {q_name} | {p_name} | {err:.2e} |")
+
+
+if __name__ == "__main__":
+    main()

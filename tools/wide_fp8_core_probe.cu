@@ -2,8 +2,8 @@
 // for 64-row units (64-128 heads), or of a lossy e4m3 x e4m3 one, against the core of today's 16-bit
 // 64-key body? A question for issue 10's "128 x 4096 h128: fp8 time <= bf16 time" (ffi/cuda/NOTES.md,
 // "fp8 at 64-128 heads", "The MMA core of a transposed fp8 body for 64-row units, probed" and "The core
-// of a lossy e4m3 x e4m3 wide body, probed"). Timing only: the shared memory
-// holds random bytes, nothing is checked.
+// of a lossy e4m3 x e4m3 wide body, probed"). Timing only: the shared memory holds random bytes and
+// no product is checked (only the layout of e4m3_vt's shared-memory transpose, check_transpose).
 //
 //   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Iffi/include -Iffi/cuda \
 //     tools/wide_fp8_core_probe.cu -o /tmp/wide_fp8_core_probe
@@ -170,7 +170,7 @@ __device__ __forceinline__ void transpose_half(uint32_t vt, uint32_t raw, int b,
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = 4 * kw + i;
-      w[i] = ld_shared_u32(panel + r * 128 + ((((dw >> 2) ^ (r & 7))) << 4) + 4 * (dw & 3));
+      w[i] = ld_shared_u32(panel + r * 128 + (((dw >> 2) ^ (r & 7)) << 4) + 4 * (dw & 3));
     }
     const uint32_t t0 = __byte_perm(w[0], w[1], 0x5140), t1 = __byte_perm(w[2], w[3], 0x5140);
     const uint32_t t2 = __byte_perm(w[0], w[1], 0x7362), t3 = __byte_perm(w[2], w[3], 0x7362);

@@ -372,6 +372,25 @@ __device__ __forceinline__ void wgmma_64xN_ss_e4m3(float (&d)[N / 2], uint64_t d
 }
 #undef JAX_MLA_R24
 #undef JAX_MLA_D24
+#ifdef JAX_MLA_E4M3_WIDE
+// The lossy e4m3 wide body (mla_wide64_e4m3_sm90.cuh, an experiment): S += Q K^T over one k32 step, D 64 rows
+// x 64 keys, A (e4m3 queries) and B (raw e4m3 keys) K-major in shared memory; and O^T += V^T P^T over one
+// k32 step, D 64 dims x 64 rows, A = V^T from registers (the 8-bit A layout above), B = P (64 rows x 32 keys)
+// K-major e4m3 in shared memory.
+__device__ __forceinline__ void wgmma_64x64_ss_e4m3(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+#ifdef JAX_MLA_HAS_WGMMA
+  JAX_MLA_WGMMA("e4m3", "m64n64k32", JAX_MLA_R32, JAX_MLA_D32, "%32, %33", "%34", "1, 1", "l"(desc_a), "l"(desc_b),
+                "r"(accumulate));
+#endif
+}
+__device__ __forceinline__ void wgmma_64x64_rs_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b,
+                                                    int accumulate) {
+#ifdef JAX_MLA_HAS_WGMMA
+  JAX_MLA_WGMMA("e4m3", "m64n64k32", JAX_MLA_R32, JAX_MLA_D32, "{%32, %33, %34, %35}, %36", "%37", "1, 1",
+                "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+#endif
+}
+#endif
 #define JAX_MLA_D8() JAX_MLA_F8(0)
 // The rope part of the same: D 64 keys x 16 rows, A (kpe, 64 keys x 16) and B (q_pe, 16 x 16) K-major
 // in shared memory.

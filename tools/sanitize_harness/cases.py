@@ -181,6 +181,9 @@ def reference(z):
 
 
 def check(d):
+    # JAX_MLA_CHECK_TOL / JAX_MLA_CHECK_LSE_TOL: looser bounds for a lossy experiment (-DJAX_MLA_E4M3_WIDE).
+    out_tol = float(os.environ["JAX_MLA_CHECK_TOL"]) if "JAX_MLA_CHECK_TOL" in os.environ else None
+    lse_tol = float(os.environ.get("JAX_MLA_CHECK_LSE_TOL", 2e-3))
     ok = True
     for path in sorted(glob.glob(os.path.join(d, "case*.bin"))):
         z = np.load(path[:-4] + ".npz")
@@ -192,7 +195,7 @@ def check(d):
         empty = np.isneginf(ref_lse)
         lse_err = np.abs(lse[~empty] - ref_lse[~empty]).max() if (~empty).any() else 0.0
         good = (np.isfinite(out).all() and (out[empty] == 0).all() and (np.isneginf(lse) == empty).all()
-                and err < TOL[int(z["code"])] and lse_err < 2e-3)
+                and err < (out_tol or TOL[int(z["code"])]) and lse_err < lse_tol)
         ok &= bool(good)
         print(f"{'ok  ' if good else 'FAIL'} {os.path.basename(path)} out_err={err:.2e} lse_err={lse_err:.2e}")
     print("HARNESS OK" if ok else "HARNESS FAILED")

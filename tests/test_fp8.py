@@ -248,6 +248,56 @@ def test_fp8_bad_arguments_raise_value_errors(rng, call, match):
         call(p)
 
 
+@pytest.mark.parametrize("heads, page_size, qo, kv, split", [
+    (128, 64, [1, 1, 1, 0], [900, 64, 130, 0], True),  # one box a block, splits, partial blocks, empty
+    (64, 32, [2, 1], [700, 300], False),               # two TMA boxes a block, causal q_len 2
+    (80, 128, [3, 1], [1500, 700], False),             # a 16-row head block beside a full one, q_len 3
+])
+def test_fp8_products_stay_near_the_reference(rng, heads, page_size, qo, kv, split):
+    """fp8_products: on sm_90a the 64-key units (64 rows, pages of >= 32 keys) multiply e4m3 queries by the
+    raw keys and e4m3 probabilities by V (mla_wide64_e4m3_sm90.cuh), ~3-5e-2 from the float32 reference;
+    their other rows, and every row on the CPU handler, stay at the accurate path's error."""
+    needs_ffi()
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, qo, kv, heads=heads, page_size=page_size, split=split)
+
+    def run(products):
+        return jax.jit(lambda *a: mla_paged_attention(*a, sm_scale=SCALE, return_lse=True, backend="ffi",
+                                                      fp8_products=products, **scales))(
+            qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan)
+
+    out, lse = run(True)
+    exact, _ = run(False)
+    ref, ref_lse = dequantized_reference(qn, qp, ckv, kpe, b, plan, scales)
+    err = rel_err(out, ref)
+    print(f"fp8_products: relative error {err:.2e} (without: {rel_err(exact, ref):.2e})")
+    assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
+    assert err < 8e-2
+    if heads % 64:  # the last head block's 16 rows (q_tile 1) take the narrow body: accurate
+        tail = heads - heads % 64
+        assert rel_err(out[:, tail:], ref[:, tail:]) < 3e-3
+    ok = ~np.isneginf(np.asarray(ref_lse))
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), ~ok)
+    np.testing.assert_allclose(np.asarray(lse)[ok], np.asarray(ref_lse)[ok], atol=0.15)
+    if jax.default_backend() == "cpu":  # the CPU handler has no e4m3 products: the option changes nothing
+        np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(exact.astype(jnp.float32)))
+
+
+def test_fp8_products_leave_narrow_units_alone(rng):
+    """16 heads: every unit is narrow, which fp8_products does not touch (the same kernel runs)."""
+    needs_ffi()
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, [1, 2, 1], [300, 97, 64], heads=16, page_size=64)
+    outs = [mla_paged_attention(qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan, sm_scale=SCALE,
+                                fp8_products=products, **scales) for products in (True, False)]
+    np.testing.assert_array_equal(*(np.asarray(o.astype(jnp.float32)) for o in outs))
+
+
+def test_fp8_products_need_an_fp8_ckv(rng):
+    b, qn, qp, _, kpe, plan, _ = fp8_problem(rng, [1], [9], heads=2, page_size=4, d_ckv=64, d_kpe=16)
+    with pytest.raises(ValueError, match="fp8_products needs a float8_e4m3fn ckv; got ckv of dtype bfloat16"):
+        mla_paged_attention(qn, qp, b.ckv.astype(jnp.bfloat16), kpe, b.page_table, b.kv_lens, plan, sm_scale=SCALE,
+                            fp8_products=True)
+
+
 # ---- append -----------------------------------------------------------------------------------------
 
 def test_fp8_append_quantizes_in_place_and_round_trips(rng):

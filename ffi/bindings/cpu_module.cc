@@ -46,6 +46,7 @@ nb::dict build_info() {
                                                      : "fp8 narrow units: transposed e4m3 wgmma body (sm_90a)");
       // Units of 64 heads or more on an e4m3 ckv (pages of >= 32 keys).
       bodies.append("fp8 wide units of 64+ heads: 64-key body, each block turned into fp16 in its buffer (sm_90a)");
+      bodies.append("fp8 wide units of 64+ heads with fp8_products: 64-key body on e4m3 products, lossy (sm_90a)");
     }
   }
   cuda["bodies"] = bodies;

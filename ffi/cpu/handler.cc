@@ -202,10 +202,13 @@ ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q_nope, ffi::A
                              ffi::AnyBuffer kpe, ffi::Buffer<ffi::S32> page_table,
                              ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> work,
                              ffi::Buffer<ffi::S32> merge, ffi::Buffer<ffi::F32> ckv_scale,
-                             ffi::Buffer<ffi::F32> kpe_scale, float sm_scale,
+                             ffi::Buffer<ffi::F32> kpe_scale, float sm_scale, int32_t fp8_products,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                              ffi::Result<ffi::Buffer<ffi::F32>> partial_o,
                              ffi::Result<ffi::Buffer<ffi::F32>> partial_lse) {
+  // fp8_products allows e4m3 x e4m3 products where a kernel has them (the CUDA 64-key body); this handler
+  // has none and computes every product in float32 either way.
+  (void)fp8_products;
   try {
     return PagedAttentionImpl(pool, q_nope, q_pe, ckv, kpe, page_table, kv_lens, work, merge, ckv_scale,
                               kpe_scale, sm_scale, out, lse, partial_o, partial_lse);
@@ -231,6 +234,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaPagedAttentionCpu, jax_mla::cpu::PagedAttent
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()          // ckv_scale [1]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()          // kpe_scale [1]
                                   .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("fp8_products")                   // (no e4m3 products here)
                                   .Ret<xla::ffi::AnyBuffer>()                      // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()          // lse
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()          // partial_o

@@ -30,7 +30,8 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
                                 ffi::Buffer<ffi::F32> ckv_scale, ffi::Buffer<ffi::F32> kpe_scale,
                                 ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                 ffi::Result<ffi::Buffer<ffi::F32>> partial_o,
-                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, float sm_scale) {
+                                ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, float sm_scale,
+                                int32_t fp8_products) {
   const auto qd = q_nope.dimensions(), rd = q_pe.dimensions(), cd = ckv.dimensions(), kd = kpe.dimensions();
   const auto pd = page_table.dimensions(), ld = kv_lens.dimensions();
   const auto wd = work.dimensions(), md = merge.dimensions();
@@ -98,6 +99,7 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
   p.partial_o = partial_o->typed_data();
   p.partial_lse = partial_lse->typed_data();
   set_problem_sizes(p, T, H, P, ps, R, max_pages, ld[0], wd[0], md[0], pod[0], sm_scale);
+  p.fp8_products = fp8_products != 0 && cache == kCacheFp8Ckv;
   if ((int64_t)p.num_work * p.head_blocks > INT32_MAX) return bad("too many work units");
 
   static const int merge_grid = merge_grid_for(sm_count());
@@ -144,7 +146,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaPagedAttentionCuda, jax_mla::cuda::paged_att
                                   .Ret<ffi::Buffer<ffi::F32>>()     // lse
                                   .Ret<ffi::Buffer<ffi::F32>>()     // partial_o (workspace)
                                   .Ret<ffi::Buffer<ffi::F32>>()     // partial_lse (workspace)
-                                  .Attr<float>("sm_scale"),
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int32_t>("fp8_products"),  // 1: e4m3 products allowed (lossy)
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 // ---- What the Python binding (ffi/bindings/cuda_module.cc) asks before it registers the handler.

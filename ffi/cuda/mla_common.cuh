@@ -58,6 +58,7 @@ struct Problem {
   int q_tile;                 // max(1, 64 / H), as the planner computes it
   int capacity;               // min(max_pages * ps, INT_MAX): keys a request can hold
   float scale_log2;           // sm_scale * log2(e): scores live in base 2
+  int fp8_products;           // 1: an fp8 ckv's 64-key units multiply on e4m3, lossy (mla_wide64_e4m3_sm90.cuh)
 };
 
 // Whether a page id from the page table names a page of the cache. Its keys are read only then;

@@ -372,8 +372,7 @@ __device__ __forceinline__ void wgmma_64xN_ss_e4m3(float (&d)[N / 2], uint64_t d
 }
 #undef JAX_MLA_R24
 #undef JAX_MLA_D24
-#ifdef JAX_MLA_E4M3_WIDE
-// The lossy e4m3 wide body (mla_wide64_e4m3_sm90.cuh, an experiment): S += Q K^T over one k32 step, D 64 rows
+// The lossy e4m3 wide body (mla_wide64_e4m3_sm90.cuh): S += Q K^T over one k32 step, D 64 rows
 // x 64 keys, A (e4m3 queries) and B (raw e4m3 keys) K-major in shared memory; and O^T += V^T P^T over one
 // k32 step, D 64 dims x 64 rows, A = V^T from registers (the 8-bit A layout above), B = P (64 rows x 32 keys)
 // K-major e4m3 in shared memory.
@@ -390,7 +389,6 @@ __device__ __forceinline__ void wgmma_64x64_rs_e4m3(float (&d)[32], const uint32
                 "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 #endif
 }
-#endif
 #define JAX_MLA_D8() JAX_MLA_F8(0)
 // The rope part of the same: D 64 keys x 16 rows, A (kpe, 64 keys x 16) and B (q_pe, 16 x 16) K-major
 // in shared memory.

@@ -181,6 +181,13 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
           const KeyTensorMaps maps =
               key_tensor_maps<T, kCache>(p, p.page_size >= Wide64Sm90::BK ? Wide64Sm90::BK : WideSm90::BK);
           if (maps.enabled) {
+            if constexpr (kCache == kCacheFp8Ckv) {
+              // fp8_products: the instance whose 64-key units multiply on e4m3 (lossy; the caller's choice).
+              if (p.fp8_products) {
+                return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, true>>(
+                    blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream, p, maps);
+              }
+            }
             return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true>>(blocks, Wide64Sm90::kThreads,
                                                                                  kSm90SmemBytes, stream, p, maps);
           }

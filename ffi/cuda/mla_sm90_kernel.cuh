@@ -28,7 +28,7 @@ static_assert(kSm90SmemBytes <= 227 * 1024, "one block per SM must fit");
 // no producer warpgroup: 256 threads, 255 registers each from the start.
 template <bool kWide64>
 constexpr int sm90_kernel_threads() { return kWide64 ? Wide64Sm90::kThreads : WideSm90::kThreads; }
-template <typename T, int kCache = kCacheAsQuery, bool kWide64 = false>
+template <typename T, int kCache = kCacheAsQuery, bool kWide64 = false, bool kE4m3 = false>
 __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attention_sm90_kernel(const Problem p, const __grid_constant__ KeyTensorMaps maps) {
   extern __shared__ __align__(16) char smem[];  // aligned to 1024 below
   allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
@@ -46,6 +46,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   // takes the portable wide body.
   constexpr bool kWgmmaCache = kCache != kCacheFp8CkvKpe;
   static_assert(!kWide64 || kCache != kCacheFp8CkvKpe, "the 64-key body reads a 16-bit kpe");
+  static_assert(!kE4m3 || (kWide64 && kCache == kCacheFp8Ckv), "e4m3 products: the 64-key body, an fp8 ckv");
   // A unit start off a box boundary (32 or 64 keys) cannot take the 64-key body's TMA boxes; this
   // library's planner splits at multiples of 64, so only another plan would send one here: the
   // portable body.
@@ -95,7 +96,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   if constexpr (kWide64) {
     // The two-warpgroup body of 64-key blocks.
     finish_unit(p, u);
-    attend_unit_wide64<T, kCache>(p, maps, u, h0, hb, base);
+    attend_unit_wide64<T, kCache, kE4m3>(p, maps, u, h0, hb, base);
   } else if constexpr (kWgmmaCache) {
     using W = WideSm90;
     constexpr bool kFp8 = kCache == kCacheFp8Ckv;

@@ -1,6 +1,6 @@
-// An experiment (built only with -DJAX_MLA_E4M3_WIDE; ffi/cuda/NOTES.md, "The core of a lossy e4m3 x e4m3
-// wide body, probed" and "If the option is built"): the 64-key body for an fp8 ckv with both products on
-// e4m3 wgmma, lossy. The latent queries are rounded to e4m3 per row (times 2^k_r, largest magnitude under
+// The op's fp8_products (Problem::fp8_products; ffi/cuda/NOTES.md, "The core of a lossy e4m3 x e4m3 wide
+// body, probed" and "the lossy e4m3 wide body, built"): the 64-key body for an fp8 ckv with both products
+// on e4m3 wgmma, lossy, in a kernel instance of its own (launch_attention picks it). The latent queries are rounded to e4m3 per row (times 2^k_r, largest magnitude under
 // 2^8), P is rounded to e4m3, and P V runs transposed, O^T += V^T P^T, with V^T's A fragments taken from
 // the raw key panels by ldmatrix.trans and two byte permutes (the narrow fp8 body's vt_e4m3_fragment), so
 // no key is converted or transposed in shared memory. ~3-5e-2 from the float32 reference on random data

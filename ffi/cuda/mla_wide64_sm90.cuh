@@ -693,14 +693,14 @@ __device__ __forceinline__ bool wide64_takes(const KeyTensorMaps& maps, const Un
   return maps.enabled && (u.kv_begin & (maps.box_rows - 1)) == 0;
 }
 
-#ifdef JAX_MLA_E4M3_WIDE  // an experiment: the lossy e4m3 x e4m3 body for an fp8 ckv (mla_wide64_e4m3_sm90.cuh)
+// The lossy e4m3 x e4m3 body for an fp8 ckv (mla_wide64_e4m3_sm90.cuh, included below).
 template <typename T, int HALF>
 __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                       int hb, uint32_t base);
-#endif
 
 // The body: barriers, then the two warpgroups (threads 0-255; the caller has sent the rest away).
-template <typename T, int kCache>
+// kE4m3: an fp8 ckv's units multiply on e4m3 (Problem::fp8_products; its own kernel instance).
+template <typename T, int kCache, bool kE4m3 = false>
 __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                    int hb, uint32_t base) {
   using W = Wide64Sm90;
@@ -714,8 +714,8 @@ __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTe
     mbar_init_fence();
   }
   named_barrier_sync(W::kBoth, W::kThreads);
-#ifdef JAX_MLA_E4M3_WIDE
-  if constexpr (kCache == kCacheFp8Ckv) {
+  if constexpr (kE4m3) {
+    static_assert(kCache == kCacheFp8Ckv, "the e4m3 body reads an fp8 ckv");
     if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 0) {
       wide64_warpgroup_e4m3<T, 0>(p, maps, u, h0, hb, base);
     } else {
@@ -723,7 +723,6 @@ __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTe
     }
     return;
   }
-#endif
   if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 0) {
     wide64_warpgroup<T, kCache, 0>(p, maps, u, h0, hb, base);
   } else {
@@ -734,6 +733,4 @@ __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTe
 }  // namespace cuda
 }  // namespace jax_mla
 
-#ifdef JAX_MLA_E4M3_WIDE
 #include "mla_wide64_e4m3_sm90.cuh"
-#endif

@@ -448,6 +448,9 @@ int main(int argc, char** argv) {
     p.work = upload(work);
     p.merge = upload(merge);
     set_problem_sizes(p, T, H, P, ps, R, maxp, nkv, W, M, Pp, scale);
+#ifdef JAX_MLA_E4M3_WIDE  // every case as with the op's fp8_products (lossy: check with JAX_MLA_CHECK_TOL)
+    p.fp8_products = 1;
+#endif
     // Word 13: the cache kind (mla_fp8.cuh); 14-15: the fp8 scales' float bits (cases with data).
     const int cache = h[13];
     if (timing) {

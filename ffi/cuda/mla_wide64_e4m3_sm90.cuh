@@ -183,13 +183,7 @@ __device__ __forceinline__ void e4m3_store(const Problem& p, const Unit& u, int 
   auto sum_ptr = [&](int half, int row) -> float* {
     return reinterpret_cast<float*>(__cvta_shared_to_generic(base + W::STATS_OFF + ((W::kSum0 + half) * W::ROWS + row) * 4));
   };
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    float l = l_run[e];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (t4 == 0) *sum_ptr(HALF, r[e]) = l;
-  }
+  publish_row_sums<HALF>(l_run, r, t4, sum_ptr);
   named_barrier_sync(W::kBoth, W::kThreads);
   const bool split = u.partial_row >= 0;
   const int pitch = split ? kDimCkv * 4 + 32 : kDimCkv * (int)sizeof(T) + 16;
@@ -222,26 +216,12 @@ __device__ __forceinline__ void e4m3_store(const Problem& p, const Unit& u, int 
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     if (HALF == 0 && t4 == 0 && r[e] < rows) {
-      const float l = *sum_ptr(0, r[e]) + *sum_ptr(1, r[e]);
-      const float lse = l != 0.f ? (m_run[e] + __log2f(l)) * kLn2 : -INFINITY;
-      const int i = r[e] / hb, h = h0 + r[e] % hb;
-      if (split) {
-        p.partial_lse[(size_t)(u.partial_row + i) * p.num_heads + h] = lse;
-      } else {
-        p.lse[(size_t)(u.q_start + i) * p.num_heads + h] = lse;
-      }
+      store_row_lse(p, u, h0, hb, r[e], split, m_run[e], *sum_ptr(0, r[e]) + *sum_ptr(1, r[e]));
     }
   }
   fence_proxy_async_shared();  // the rows reach the bulk copies' reads
   named_barrier_sync(W::kBoth, W::kThreads);
-  const int ctid = threadIdx.x;
-  if (ctid < rows) {
-    const int i = ctid / hb, h = h0 + ctid % hb;
-    void* dst = split ? (void*)(p.partial_o + ((size_t)(u.partial_row + i) * p.num_heads + h) * kDimCkv)
-                      : (void*)(static_cast<T*>(p.out) + ((size_t)(u.q_start + i) * p.num_heads + h) * kDimCkv);
-    bulk_copy_s2g(dst, stage + ctid * pitch, split ? kDimCkv * 4 : kDimCkv * sizeof(T));
-    bulk_commit_and_wait_read();
-  }
+  copy_staged_rows<T>(p, u, h0, hb, rows, split, stage, pitch, threadIdx.x);
 }
 
 // One warpgroup of the e4m3 body (HALF = 0: WG0, block A; 1: WG1, block B).
@@ -342,23 +322,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
   wide64_load_fragments(base + W::P1_OFF, q_rope, warp, lane);  // WG1 overwrites P1 only after the m_A hand-off
 
   auto mask = [&](int blk, int key0) {
-    return [&, blk, key0](float (&x)[W::SACC]) {
-      const uint32_t ok = *reinterpret_cast<const uint32_t*>(__cvta_shared_to_generic(W::mask_addr(opaque(base), blk)));
-      if (ok == 3u && key0 + W::BK <= min(limit[0], limit[1])) {
-#pragma unroll
-        for (int i = 0; i < W::SACC; ++i) x[i] *= scale_log2[(i >> 1) & 1];
-        return;
-      }
-#pragma unroll
-      for (int j = 0; j < W::SACC / 4; ++j) {
-        const bool box_ok = (ok >> (j >> 2)) & 1;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int kl = 8 * j + 2 * t4 + (e & 1);
-          x[4 * j + e] = box_ok && key0 + kl < limit[e >> 1] ? x[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
-        }
-      }
-    };
+    return [&, blk, key0](float (&x)[W::SACC]) { wide64_mask_scores(x, base, blk, key0, limit, scale_log2, t4); };
   };
 
   float o[128];

@@ -326,6 +326,29 @@ __device__ __forceinline__ void wide64_zero_rows(uint32_t kbuf, int from, int ti
   named_barrier_sync(W::kWarpgroup0 + HALF, 128);
 }
 
+// Masks and scales the scores of block blk (key0: its first key) in S's accumulator layout: keys of a
+// box on a bad page (the block's mask word) or past a row's limit get -inf, the rest times the row's
+// base-2 softmax scale.
+__device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC], uint32_t base, int blk, int key0,
+                                                   const int (&limit)[2], const float (&scale_log2)[2], int t4) {
+  using W = Wide64Sm90;
+  const uint32_t ok = *reinterpret_cast<const uint32_t*>(__cvta_shared_to_generic(W::mask_addr(opaque(base), blk)));
+  if (ok == 3u && key0 + W::BK <= min(limit[0], limit[1])) {
+#pragma unroll
+    for (int i = 0; i < W::SACC; ++i) x[i] *= scale_log2[(i >> 1) & 1];
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < W::SACC / 4; ++j) {
+    const bool box_ok = (ok >> (j >> 2)) & 1;  // keys 8j .. 8j + 7 lie in box j / 4
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int kl = 8 * j + 2 * t4 + (e & 1);
+      x[4 * j + e] = box_ok && key0 + kl < limit[e >> 1] ? x[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
+    }
+  }
+}
+
 // One warpgroup of the body (HALF = 0: WG0, block A and O's left half; 1: WG1, block B, right half).
 // An fp8 ckv (kCache == kCacheFp8Ckv): the raw block comes by TMA into one half of its buffer
 // (raw_tile0) and the warpgroup that computes its S turns it into fp16 tiles in place right before
@@ -419,23 +442,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
 
   // Masks and scales the scores of block blk (key0: its first key).
   auto mask = [&](int blk, int key0) {
-    return [&, blk, key0](float (&x)[W::SACC]) {
-      const uint32_t ok = *reinterpret_cast<const uint32_t*>(__cvta_shared_to_generic(W::mask_addr(opaque(base), blk)));
-      if (ok == 3u && key0 + W::BK <= min(limit[0], limit[1])) {
-#pragma unroll
-        for (int i = 0; i < W::SACC; ++i) x[i] *= scale_log2[(i >> 1) & 1];
-        return;
-      }
-#pragma unroll
-      for (int j = 0; j < W::SACC / 4; ++j) {
-        const bool box_ok = (ok >> (j >> 2)) & 1;  // keys 8j .. 8j + 7 lie in box j / 4
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int kl = 8 * j + 2 * t4 + (e & 1);
-          x[4 * j + e] = box_ok && key0 + kl < limit[e >> 1] ? x[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
-        }
-      }
-    };
+    return [&, blk, key0](float (&x)[W::SACC]) { wide64_mask_scores(x, base, blk, key0, limit, scale_log2, t4); };
   };
 
   float o[128];

@@ -644,6 +644,44 @@ __device__ __forceinline__ void accumulator_rows(const Unit& u, int warp, int g,
   for (int e = 0; e < 2; ++e) limit[e] = row_key_limit(u, r[e], rows, hb);
 }
 
+// A tile row's LSE (natural log) from its base-2 max and row sum, into lse or a split's partial_lse.
+__device__ __forceinline__ void store_row_lse(const Problem& p, const Unit& u, int h0, int hb, int row, bool split,
+                                              float m, float l) {
+  const float lse = l != 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
+  const int i = row / hb, h = h0 + row % hb;
+  if (split) {
+    p.partial_lse[(size_t)(u.partial_row + i) * p.num_heads + h] = lse;
+  } else {
+    p.lse[(size_t)(u.q_start + i) * p.num_heads + h] = lse;
+  }
+}
+// The staged rows (`pitch` bytes apart from `stage`) to out, or to a split's partial_o as float: one bulk
+// copy a row by thread ctid < rows, which waits for the copy's reads (the block's shared memory must
+// outlive them). The caller fences and synchronises the staging threads first.
+template <typename T>
+__device__ __forceinline__ void copy_staged_rows(const Problem& p, const Unit& u, int h0, int hb, int rows, bool split,
+                                                 uint32_t stage, int pitch, int ctid) {
+  if (ctid < rows) {
+    const int i = ctid / hb, h = h0 + ctid % hb;
+    void* dst = split ? (void*)(p.partial_o + ((size_t)(u.partial_row + i) * p.num_heads + h) * kDimCkv)
+                      : (void*)(static_cast<T*>(p.out) + ((size_t)(u.q_start + i) * p.num_heads + h) * kDimCkv);
+    bulk_copy_s2g(dst, stage + ctid * pitch, split ? kDimCkv * 4 : kDimCkv * sizeof(T));
+    bulk_commit_and_wait_read();
+  }
+}
+
+// A warpgroup's row sums (a row's keys sit in four lanes) into shared memory at sum_ptr(HALF, row).
+template <int HALF, typename SumPtr>
+__device__ __forceinline__ void publish_row_sums(const float (&l_run)[2], const int (&r)[2], int t4, SumPtr sum_ptr) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float l = l_run[e];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t4 == 0) *sum_ptr(HALF, r[e]) = l;
+  }
+}
+
 // The end of a two-warpgroup body (this one and mla_wide64_sm90.cuh's): each warpgroup's row
 // sums (a row's keys sit in four lanes) meet in shared memory (sum_ptr(half, row)) at a named
 // barrier across both warpgroups (`threads` of them, ctid = 0 .. threads - 1 among them); then each
@@ -658,13 +696,7 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
                                                  const int (&r)[2], int t4, const float (&l_run)[2],
                                                  const float (&m_run)[2], const float (&o)[128], float out_scale,
                                                  SumPtr sum_ptr, int barrier, int threads, uint32_t stage, int ctid) {
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    float l = l_run[e];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (t4 == 0) *sum_ptr(HALF, r[e]) = l;
-  }
+  publish_row_sums<HALF>(l_run, r, t4, sum_ptr);
   named_barrier_sync(barrier, threads);
   const bool split = u.partial_row >= 0;
   const int pitch = split ? kDimCkv * 4 + 32 : kDimCkv * (int)sizeof(T) + 16;
@@ -683,25 +715,11 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
         st_shared_u32(row + col * (int)sizeof(T), pack2<T>(x, y));
       }
     }
-    if (HALF == 0 && t4 == 0 && r[e] < rows) {
-      const float lse = l != 0.f ? (m_run[e] + __log2f(l)) * kLn2 : -INFINITY;
-      const int i = r[e] / hb, h = h0 + r[e] % hb;
-      if (split) {
-        p.partial_lse[(size_t)(u.partial_row + i) * p.num_heads + h] = lse;
-      } else {
-        p.lse[(size_t)(u.q_start + i) * p.num_heads + h] = lse;
-      }
-    }
+    if (HALF == 0 && t4 == 0 && r[e] < rows) store_row_lse(p, u, h0, hb, r[e], split, m_run[e], l);
   }
   fence_proxy_async_shared();  // the rows reach the bulk copies' reads
   named_barrier_sync(barrier, threads);
-  if (ctid < rows) {
-    const int i = ctid / hb, h = h0 + ctid % hb;
-    void* dst = split ? (void*)(p.partial_o + ((size_t)(u.partial_row + i) * p.num_heads + h) * kDimCkv)
-                      : (void*)(static_cast<T*>(p.out) + ((size_t)(u.q_start + i) * p.num_heads + h) * kDimCkv);
-    bulk_copy_s2g(dst, stage + ctid * pitch, split ? kDimCkv * 4 : kDimCkv * sizeof(T));
-    bulk_commit_and_wait_read();  // the block's shared memory outlives the copy's reads
-  }
+  copy_staged_rows<T>(p, u, h0, hb, rows, split, stage, pitch, ctid);
 }
 // Shared memory the staged rows of store_two_halves take.
 constexpr int kStagedRowsBytes = kRowsPerTile * (kDimCkv * 4 + 32);

@@ -396,7 +396,8 @@ def test_cpu_handler_rejects_bad_operands():
         q = ops["q_nope"]
         outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], F32),
                 jax.ShapeDtypeStruct((16, h, q.shape[-1]), F32), jax.ShapeDtypeStruct((16, h), F32))
-        res = jax.ffi.ffi_call(_ffi.ATTENTION_TARGET, outs)(*ops.values(), sm_scale=np.float32(0.1))
+        res = jax.ffi.ffi_call(_ffi.ATTENTION_TARGET, outs)(*ops.values(), sm_scale=np.float32(0.1),
+                                                             fp8_products=np.int32(0))
         return jax.block_until_ready(res)
 
     out, lse, _, _ = call()  # all padding work rows: zeros and -inf

@@ -24,7 +24,7 @@ def _dtype(x):
 
 
 def check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale, ckv_scale=None,
-                         kpe_scale=None):
+                         kpe_scale=None, fp8_products=False):
     """Raise ValueError / TypeError naming the offending argument and value. Returns
     (T, H, d_ckv, d_kpe, ckv_scale, kpe_scale), the scales as float32 [1] arrays or None."""
     t, h, d_ckv = _shape("q_nope", q_nope, 3)
@@ -57,6 +57,8 @@ def check_attention_args(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_s
     ckv_fp8, kpe_fp8 = is_fp8(_dtype(ckv)), is_fp8(_dtype(kpe))
     if (ckv_fp8 or kpe_fp8) and qd == jnp.dtype(jnp.float32):
         raise ValueError("an fp8 cache takes bfloat16 or float16 queries, got float32 q_nope")
+    if fp8_products and not ckv_fp8:
+        raise ValueError(f"fp8_products needs a float8_e4m3fn ckv; got ckv of dtype {_dtype(ckv).name}")
     if kpe_fp8 and not ckv_fp8:
         raise ValueError(f"kpe is float8_e4m3fn but ckv is {_dtype(ckv).name}: an fp8 kpe needs an fp8 ckv")
     for name, x, fp8 in (("ckv", ckv, ckv_fp8), ("kpe", kpe, kpe_fp8)):

@@ -110,9 +110,7 @@ def mla_paged_attention(
     (other units, archs, the CPU handler, the reference) the op computes as without it.
     """
     t, h, d_ckv, d_kpe, ckv_scale, kpe_scale = check_attention_args(
-        q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale, ckv_scale, kpe_scale)
-    if fp8_products and ckv.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"fp8_products needs a float8_e4m3fn ckv; got ckv of dtype {ckv.dtype}")
+        q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan, sm_scale, ckv_scale, kpe_scale, fp8_products)
     which = resolve_backend(backend, d_ckv, d_kpe)
     if which == "reference":
         return mla_paged_attention_reference(q_nope, q_pe, ckv, kpe, page_table, kv_lens, plan,

@@ -113,6 +113,19 @@ __device__ __forceinline__ uint4 fp8x8_to(uint2 raw) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// The 8-bit A fragment of O^T (the transposed P V of the e4m3 bodies: mla_narrow_fp8_sm90.cuh,
+// mla_wide64_e4m3_sm90.cuh) for one
+// output tile and k32 step (rows are dims: row g is dim 2g, row
+// g + 8 dim 2g + 1, of the warp's 16) from one ldmatrix.trans.x4 of raw key rows: vb[m] holds keys
+// 8 m + 2t and 8 m + 2t + 1 of dims 2g, 2g + 1. A register takes four k-slots 4t .. 4t + 3 of one row:
+// keys 2t, 2t + 1, 2t + 8, 2t + 9 (of each 16), so P's panel puts key 8 h + 2 t + b at slot 4 t + 2 h + b.
+__device__ __forceinline__ void vt_e4m3_fragment(uint32_t (&a)[4], const uint32_t (&vb)[4]) {
+  a[0] = __byte_perm(vb[0], vb[1], 0x6420);
+  a[1] = __byte_perm(vb[0], vb[1], 0x7531);
+  a[2] = __byte_perm(vb[2], vb[3], 0x6420);
+  a[3] = __byte_perm(vb[2], vb[3], 0x7531);
+}
+
 // The same for a word that ldmatrix.trans gives from fp8 rows: (key k, dims d, d + 1), then (key k + 1,
 // dims d, d + 1). Returns dim d of both keys (.x) and dim d + 1 of both (.y): the B fragments of P V
 // for two output columns.

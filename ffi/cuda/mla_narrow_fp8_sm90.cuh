@@ -130,17 +130,6 @@ __device__ __forceinline__ uint32_t fp8_slab_chunk(uint32_t stage, int kl, int c
 // R = {2t, 2t + 1, 8 + 2t, 9 + 2t}; its M-row (key, or dim) is g + 8 ((e >> 1) & 1) of the warp's 16.
 __device__ __forceinline__ constexpr int acc_row(int e) { return (e & 1) + 2 * (e >> 2); }
 
-// The 8-bit A fragment of O^T for one output tile and k32 step (rows are dims: row g is dim 2g, row
-// g + 8 dim 2g + 1, of the warp's 16) from one ldmatrix.trans.x4 of raw key rows: vb[m] holds keys
-// 8 m + 2t and 8 m + 2t + 1 of dims 2g, 2g + 1. A register takes four k-slots 4t .. 4t + 3 of one row:
-// keys 2t, 2t + 1, 2t + 8, 2t + 9 (of each 16), so P's panel puts key 8 h + 2 t + b at slot 4 t + 2 h + b.
-__device__ __forceinline__ void vt_e4m3_fragment(uint32_t (&a)[4], const uint32_t (&vb)[4]) {
-  a[0] = __byte_perm(vb[0], vb[1], 0x6420);
-  a[1] = __byte_perm(vb[0], vb[1], 0x7531);
-  a[2] = __byte_perm(vb[2], vb[3], 0x6420);
-  a[3] = __byte_perm(vb[2], vb[3], 0x7531);
-}
-
 // The producer's blocks by TMA, one warp, where the launch's key maps serve (kProducer; pages of 32
 // keys or more, a unit start on a box boundary): block j of the unit into stage (j / 2) % 2 of
 // warpgroup j % 2 as ten boxes of 32 keys x 128 bytes (two a slab: four latent slabs, the kpe

@@ -39,10 +39,6 @@ struct Wide64E4m3 {
   }
 };
 
-__device__ __forceinline__ void st_shared_v2_u32(uint32_t addr, uint2 v) {
-  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(addr), "r"(v.x), "r"(v.y) : "memory");
-}
-
 // Eight values of T (a 16-byte chunk) times f, rounded to e4m3 (satfinite): eight bytes.
 template <typename T>
 __device__ __forceinline__ uint2 chunk_to_e4m3(uint4 v, float f) {
@@ -77,10 +73,12 @@ __device__ __forceinline__ void e4m3_store_p(uint32_t panel, const float (&s)[Wi
   }
 }
 
-// V^T's A fragments of one block for a warpgroup's 256 dims: 4 tiles of 64 dims x 2 k32 steps, from
-// the raw panels at `panel0` (dims 0-127 of the half) and panel0 + TILE (128-255). Tile jj, warp w:
-// dims 64 jj + 16 w .. + 15 (row g: dim 2 g, row g + 8: dim 2 g + 1).
-__device__ __forceinline__ void e4m3_vt_fragments(uint32_t (&a)[8][4], uint32_t panel0, int warp, int lane) {
+// O^T[256 dims of the warpgroup] += V^T P^T of one block, issued and committed (async): V^T's A fragments
+// (4 tiles of 64 dims x 2 k32 steps) into `a` from the raw panels at `panel0` (dims 0-127 of the half)
+// and panel0 + TILE (128-255), tile jj, warp w: dims 64 jj + 16 w .. + 15 (row g: dim 2 g, row g + 8:
+// dim 2 g + 1); B = the P panel. `a` must live until the wgmmas are waited for.
+__device__ __forceinline__ void e4m3_pv(float (&o)[128], uint32_t (&a)[8][4], uint32_t panel0, uint32_t p_panel,
+                                        int warp, int lane) {
   using W = Wide64Sm90;
   panel0 = opaque(panel0);
 #pragma unroll
@@ -90,21 +88,16 @@ __device__ __forceinline__ void e4m3_vt_fragments(uint32_t (&a)[8][4], uint32_t 
       const int kr = 32 * ks + lane, c = 4 * (jj & 1) + warp;
       uint32_t vb[4];
       ldmatrix_x4_trans(vb, panel0 + (jj >> 1) * W::TILE + kr * 128 + ((c ^ (kr & 7)) << 4));
-      a[2 * jj + ks][0] = __byte_perm(vb[0], vb[1], 0x6420);
-      a[2 * jj + ks][1] = __byte_perm(vb[0], vb[1], 0x7531);
-      a[2 * jj + ks][2] = __byte_perm(vb[2], vb[3], 0x6420);
-      a[2 * jj + ks][3] = __byte_perm(vb[2], vb[3], 0x7531);
+      vt_e4m3_fragment(a[2 * jj + ks], vb);
     }
-}
-
-// O^T[256 dims of the warpgroup] += V^T P^T of one block (async, not committed).
-__device__ __forceinline__ void e4m3_pv(float (&o)[128], const uint32_t (&a)[8][4], uint32_t p_panel) {
   const uint32_t p_lo = sw128_desc_lo(opaque(p_panel));
   float(&ot)[4][32] = *reinterpret_cast<float(*)[4][32]>(&o[0]);
+  wgmma_fence();
 #pragma unroll
   for (int jj = 0; jj < 4; ++jj)
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) wgmma_64x64_rs_e4m3(ot[jj], a[2 * jj + ks], sw128_desc_at(p_lo, 32 * ks), 1);
+  wgmma_commit();
 }
 
 // O^T's columns (query rows 8 n + 2 t4 + b) times their factors, 16 a thread: al[2 n + b].
@@ -126,15 +119,6 @@ __device__ __forceinline__ void e4m3_load_alpha(float (&al)[16], uint32_t base, 
     const uint2 v = ld_shared_v2(Wide64E4m3::alpha_addr(base, parity, which, 8 * n + 2 * t4));
     al[2 * n] = __uint_as_float(v.x);
     al[2 * n + 1] = __uint_as_float(v.y);
-  }
-}
-
-// Rows [from, 64) of two consecutive raw panels set to zero by one warpgroup (tid 0-127).
-__device__ __forceinline__ void e4m3_zero_rows2(uint32_t panels, int from, int tid) {
-#pragma unroll 1
-  for (int idx = tid; idx < (64 - from) * 16; idx += 128) {
-    const int r = from + (idx >> 4), c = idx & 15;  // chunk c of row r: panel c / 8
-    st_shared_v4(panels + (c >> 3) * kKeyPanelBytes + r * 128 + ((c & 7) << 4), make_uint4(0, 0, 0, 0));
   }
 }
 
@@ -238,9 +222,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
   accumulator_rows(u, warp, g, rows, hb, r, limit);
   const int num_blocks = __shfl_sync(0xffffffffu, (u.range_end - u.kv_begin + W::BK - 1) / W::BK, 0);
   const int last_rows = u.range_end - u.kv_begin - (num_blocks - 1) * W::BK;
-  auto stat_ptr = [&](int which, int row) -> float* {
-    return reinterpret_cast<float*>(__cvta_shared_to_generic(base + W::STATS_OFF + (which * W::ROWS + row) * 4));
-  };
+  auto stat_ptr = [&](int which, int row) { return W::stat(base, which, row); };
   const uint32_t kb0 = W::buf_addr(base, 0), kb1 = W::buf_addr(base, 1), q_panels = base + W::Q_OFF;
   const uint32_t p0 = base + W::P0_OFF, p1 = base + W::P1_OFF, p2 = base + E::P2_OFF;
   // This warpgroup's raw panels (dims 256 HALF ..) of buffer `buf`, or the query panels.
@@ -254,10 +236,12 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
     if (HALF == 0 && num_blocks > 2) ahead_a = wide64_block_pages(p, maps, u, 2);
     if (HALF == 0 && num_blocks > 3) ahead_b = wide64_block_pages(p, maps, u, 3);
   }
-  load_query_tile<T, W::ROWS, W::kThreads>(p, u, h0, hb, rows, threadIdx.x, [&](int rr, int c) {
+  // Staged query row rr's chunk c: the latent part in the query panels, the rope part in P1's panel.
+  auto chunk = [&](int rr, int c) {
     return c < 64 ? base + W::Q_OFF + WideSm90::chunk_offset(rr, c, W::QPANEL)
                   : base + W::P1_OFF + WideSm90::chunk_offset(rr, c - 64, 0);
-  });
+  };
+  load_query_tile<T, W::ROWS, W::kThreads>(p, u, h0, hb, rows, threadIdx.x, chunk);
   if (tid == 0) {
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {
@@ -281,10 +265,6 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
   const CacheScales scales = cache_scales<kCache>(p);
   float scale_log2[2] = {p.scale_log2 * scales.score, p.scale_log2 * scales.score};
   {
-    auto chunk = [&](int rr, int c) {
-      return c < 64 ? base + W::Q_OFF + WideSm90::chunk_offset(rr, c, W::QPANEL)
-                    : base + W::P1_OFF + WideSm90::chunk_offset(rr, c - 64, 0);
-    };
     float factor[2];
     uint2 q8[2][8];
     uint4 rope_v[2];
@@ -310,7 +290,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
       for (int j = 0; j < 8; ++j) {
         const int c = 32 * HALF + t4 + 4 * j;  // bf16 chunk: e4m3 dims 8 c .. 8 c + 7
         const int q = c >> 4, cc = (c & 15) >> 1;
-        st_shared_v2_u32(base + W::Q_OFF + q * W::QPANEL + r[e] * 128 + ((cc ^ (r[e] & 7)) << 4) + 8 * (c & 1),
+        st_shared_v2(base + W::Q_OFF + q * W::QPANEL + r[e] * 128 + ((cc ^ (r[e] & 7)) << 4) + 8 * (c & 1),
                          q8[e][j]);
       }
       st_shared_v4(chunk(r[e], 64 + 4 * HALF + t4), scale_query_chunk<T>(rope_v[e], factor[e] * scales.rope_query, true));
@@ -375,7 +355,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
       e4m3_store_p(p2, s, r, t4, false);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * alpha_a[e] + sum_a[e];
-      if (a_partial) e4m3_zero_rows2(half_panels(0), last_rows, tid);
+      if (a_partial) zero_key_panel_rows<2>(half_panels(0), last_rows, tid);
       fence_proxy_async_shared();  // P2 reaches wgmma's reads (and zeros precede the next TMA)
       named_barrier_sync(W::kWarpgroup0, 128);
       {
@@ -383,10 +363,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
         e4m3_load_alpha(al, base, parity, 0, t4);
         e4m3_rescale(o, al);
       }
-      e4m3_vt_fragments(a8, half_panels(0), warp, lane);
-      wgmma_fence();
-      e4m3_pv(o, a8, p2);
-      wgmma_commit();
+      e4m3_pv(o, a8, half_panels(0), p2, warp, lane);
       wgmma_wait<0>();
       fence_registers(o);
       fence_fragments(a8);
@@ -428,10 +405,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
       // once the counts differ; NOTES.md, "twelfth session")
       handoff_wait(W::kP1Ready, base, parity);
       // Without a block B, WG1 stored P_B = 0 and this adds 0 times the query panels.
-      e4m3_vt_fragments(a8, has_b ? half_panels(1) : q_panels, warp, lane);
-      wgmma_fence();
-      e4m3_pv(o, a8, p1);
-      wgmma_commit();
+      e4m3_pv(o, a8, has_b ? half_panels(1) : q_panels, p1, warp, lane);
       if (tid == 0) {
         if (blk_a + 4 < num_blocks) ahead_a = wide64_block_pages(p, maps, u, blk_a + 4);
         if (blk_b + 4 < num_blocks) ahead_b = wide64_block_pages(p, maps, u, blk_b + 4);
@@ -470,7 +444,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
       // A partial block's rows past the range: block B's in both halves (WG0's P V reads its half after
       // the P_B hand-off below), block A's in this half (WG0 zeroed its own).
       if (b_partial) zero_key_panel_rows(W::buf_addr(base, 1) + W::raw_tile0(1) * W::TILE, last_rows, tid);
-      if (a_partial) e4m3_zero_rows2(half_panels(0), last_rows, tid);
+      if (a_partial) zero_key_panel_rows<2>(half_panels(0), last_rows, tid);
       fence_proxy_async_shared();  // P_B reaches both warpgroups' wgmma reads
       named_barrier_sync(W::kWarpgroup0 + 1, 128);
       handoff_signal(W::kP1Ready, base);
@@ -479,16 +453,10 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
         e4m3_load_alpha(al, base, parity, 1, t4);
         e4m3_rescale(o, al);
       }
-      e4m3_vt_fragments(a8, has_b ? half_panels(1) : q_panels, warp, lane);
-      wgmma_fence();
-      e4m3_pv(o, a8, p1);
-      wgmma_commit();
+      e4m3_pv(o, a8, has_b ? half_panels(1) : q_panels, p1, warp, lane);
       handoff_wait(W::kP0Ready, base, parity);
       uint32_t a8b[8][4];
-      e4m3_vt_fragments(a8b, half_panels(0), warp, lane);
-      wgmma_fence();
-      e4m3_pv(o, a8b, p0);
-      wgmma_commit();
+      e4m3_pv(o, a8b, half_panels(0), p0, warp, lane);
       wgmma_wait<1>();
       fence_fragments(a8);
       if (tid == 0 && next_b) {  // block B's panels 2-3 and rope are read: block B + 2's go in

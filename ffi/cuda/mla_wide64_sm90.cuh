@@ -92,6 +92,10 @@ struct Wide64Sm90 {
   // (WG1's, likewise).
   static __device__ __forceinline__ constexpr int raw_tile0(int buf) { return buf == 0 ? 0 : 4; }
   static __device__ __forceinline__ uint32_t buf_addr(uint32_t base, int buf) { return base + K_OFF + buf * BUF; }
+  // Stat `which` (Stat) of tile row `row`.
+  static __device__ __forceinline__ float* stat(uint32_t base, int which, int row) {
+    return reinterpret_cast<float*>(__cvta_shared_to_generic(base + STATS_OFF + (which * ROWS + row) * 4));
+  }
   // Block n lives in buffer n % 2 for the (n / 2)-th time.
   static __device__ __forceinline__ uint32_t mask_addr(uint32_t base, int blk) {
     return base + MASK_OFF + ((blk & 1) * 2 + ((blk >> 1) & 1)) * 4;
@@ -373,9 +377,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   // Broadcast from lane 0: the compiler then knows the loop is warp-uniform, which wgmma needs.
   const int num_blocks = __shfl_sync(0xffffffffu, (u.range_end - u.kv_begin + W::BK - 1) / W::BK, 0);
   const int last_rows = u.range_end - u.kv_begin - (num_blocks - 1) * W::BK;  // keys of the last block
-  auto stat_ptr = [&](int which, int row) -> float* {
-    return reinterpret_cast<float*>(__cvta_shared_to_generic(base + W::STATS_OFF + (which * W::ROWS + row) * 4));
-  };
+  auto stat_ptr = [&](int which, int row) { return W::stat(base, which, row); };
   const uint32_t kb0 = W::buf_addr(base, 0), kb1 = W::buf_addr(base, 1), q_panels = base + W::Q_OFF;
 
   JAX_MLA_TRACE_AT(0, 8);

@@ -351,19 +351,21 @@ def test_fp8_append_validates_its_scales(rng):
 
 # ---- module and decode loops ---------------------------------------------------------------------
 
-def _tiny_generator(kv_cache_dtype, backend="auto"):
+def _tiny_generator(kv_cache_dtype, backend="auto", *, heads=4, kv_lora_rank=32, rope_dim=8, page_size=4,
+                    **kwargs):
     pytest.importorskip("flax", reason="jax_mla.nn needs flax")
     from flax import nnx
 
     from jax_mla.nn import DeepseekConfig, DeepseekModel, Generator, PagedCacheManager, RopeScaling
-    cfg = DeepseekConfig(hidden_size=64, num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32,
-                         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, vocab_size=97,
+    cfg = DeepseekConfig(hidden_size=64, num_attention_heads=heads, q_lora_rank=48, kv_lora_rank=kv_lora_rank,
+                         qk_nope_head_dim=16, qk_rope_head_dim=rope_dim, v_head_dim=12, vocab_size=97,
                          intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
                          rope_scaling=RopeScaling(factor=4.0, mscale=0.8, mscale_all_dim=0.6,
                                                   original_max_position_embeddings=64))
     model = DeepseekModel(cfg, rngs=nnx.Rngs(0))
-    mgr = PagedCacheManager(num_pages=64, page_size=4, max_requests=4, max_pages_per_request=16)
-    return Generator(model, mgr, backend=backend, kv_cache_dtype=kv_cache_dtype, kv_scale=0.02)
+    mgr = PagedCacheManager(num_pages=64 * 4 // page_size, page_size=page_size, max_requests=4,
+                            max_pages_per_request=64 // page_size)
+    return Generator(model, mgr, backend=backend, kv_cache_dtype=kv_cache_dtype, kv_scale=0.02, **kwargs)
 
 
 PROMPTS = [[5, 17, 3, 90, 41], [7, 7, 8, 1, 2, 60, 33, 12, 9], [88, 4, 19]]
@@ -418,3 +420,61 @@ def test_fp8_decode_with_reference_backend_equals_ffi():
         g.prefill(PROMPTS)
         g.decode(5)
     assert a.results() == b.results()
+
+
+def test_fp8_products_reach_the_op_from_the_generator(monkeypatch):
+    """Generator(fp8_products=True) hands the option to every paged attention call it traces (prefill and
+    both decode loops); without it the op gets False. A 16-bit cache with it is refused up front."""
+    import jax_mla.nn.attention as nn_attention
+    seen = []
+    op = nn_attention.mla_paged_attention
+
+    def spy(*args, fp8_products=False, **kwargs):
+        seen.append(fp8_products)
+        return op(*args, fp8_products=fp8_products, **kwargs)
+
+    monkeypatch.setattr(nn_attention, "mla_paged_attention", spy)
+    gen = _tiny_generator("float8_e4m3fn", fp8_products=True)
+    gen.prefill(PROMPTS)
+    gen.decode(2)
+    gen.decode_jitted(2)
+    assert seen and all(x is True for x in seen), seen
+    seen.clear()
+    plain = _tiny_generator("float8_e4m3fn")
+    plain.prefill(PROMPTS)
+    plain.decode(2)
+    assert seen and not any(seen), seen
+    with pytest.raises(ValueError, match="fp8_products needs kv_cache_dtype='float8_e4m3fn'; got kv_cache_dtype="
+                                         "bfloat16"):
+        _tiny_generator("bfloat16", fp8_products=True)
+    with pytest.raises(ValueError, match="fp8_products must be a bool, got 'yes'"):
+        _tiny_generator("float8_e4m3fn", fp8_products="yes")
+
+
+def test_fp8_products_decode_stays_close_to_the_accurate_path():
+    """A 64-head model with MLA's real latent and rope widths (512, 64) on pages of 32 keys: its units take
+    the 64-key body, where fp8_products multiplies in e4m3 on sm_90a. Logits against the accurate fp8 path
+    and greedy agreement are reported; on the CPU handler (exact either way) they are equal."""
+    needs_ffi()
+    steps = 6
+    runs = []
+    for products in (False, True):
+        g = _tiny_generator("float8_e4m3fn", backend="ffi", heads=64, kv_lora_rank=512, rope_dim=64, page_size=32,
+                            fp8_products=products)
+        _, pre = g.prefill(PROMPTS, with_logits=True)
+        logits = [np.asarray(pre)] + [np.asarray(x) for x in g.decode(steps, with_logits=True)]
+        runs.append((logits, g.results()))
+    (exact, out_e), (lossy, out_l) = runs
+    rows = sorted(out_e)
+    errs = [rel_err(lossy[0], exact[0])]
+    for k in range(steps):
+        same = [i for i, s in enumerate(rows) if out_e[s][: k + 1] == out_l[s][: k + 1]]
+        if same:
+            errs.append(rel_err(lossy[k + 1][same], exact[k + 1][same]))
+    agree = np.mean([a == b for s in rows for a, b in zip(out_e[s], out_l[s])])
+    print(f"fp8_products vs accurate fp8 decode: logits rel err max {max(errs):.2e} (prefill {errs[0]:.2e}); "
+          f"greedy tokens agree {agree:.2f}")
+    if jax.default_backend() == "cpu":
+        assert out_l == out_e and max(errs) == 0.0
+    else:
+        assert max(errs) < 0.1

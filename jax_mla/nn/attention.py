@@ -122,7 +122,8 @@ class MLAAttention(nnx.Module):
 
     # ---- forward ------------------------------------------------------------
     def __call__(self, x: jax.Array, kv: PagedKV, batch: PagedBatch, *, form: str = "absorbed",
-                 backend: str = "auto", mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, PagedKV]:
+                 backend: str = "auto", mesh: jax.sharding.Mesh | None = None,
+                 fp8_products: bool = False) -> tuple[jax.Array, PagedKV]:
         """x [T, hidden] (the plan's T query tokens) -> (y [T, hidden], updated cache).
 
         This step's compressed kv and k_pe are written to the cache at their
@@ -134,6 +135,9 @@ class MLAAttention(nnx.Module):
         shard stacked (`stack_plans`) for the local heads, and the paged part (positions, append,
         attention) runs per shard in a `shard_map`; the projections follow the parameters'
         shardings (heads over tensor, jax_mla.nn.sharding).
+
+        fp8_products: with an fp8 cache, the op's lossy e4m3 x e4m3 option (`mla_paged_attention`) for
+        the absorbed form's paged attention; the expanded form ignores it.
         """
         if form not in FORMS:
             raise ValueError(f"form={form!r} is not one of {FORMS}")
@@ -150,7 +154,7 @@ class MLAAttention(nnx.Module):
         w_uv = self.w_uv[...].astype(self.dtype)
         if form == "absorbed":
             q_nope = jnp.einsum("thd,hdr->thr", q_nope, w_uk, precision=self.precision)
-        attend = functools.partial(self._attend_paged, form=form, backend=backend)
+        attend = functools.partial(self._attend_paged, form=form, backend=backend, fp8_products=fp8_products)
         if mesh is None:
             o, kv = attend(q_nope, q_pe, ckv_new, kpe_new, kv, batch, w_uk, w_uv)
         else:
@@ -168,7 +172,7 @@ class MLAAttention(nnx.Module):
         return y, kv
 
     def _attend_paged(self, q, q_pe, ckv_new, kpe_new, kv: PagedKV, batch: PagedBatch, w_uk, w_uv, *,
-                      form: str, backend: str) -> tuple[jax.Array, PagedKV]:
+                      form: str, backend: str, fp8_products: bool = False) -> tuple[jax.Array, PagedKV]:
         """One device's paged part: rope at the tokens' positions, append, attend.
 
         q is q_nope with W_UK absorbed (absorbed form) or q_nope itself (expanded). Returns the
@@ -188,7 +192,8 @@ class MLAAttention(nnx.Module):
         if form == "absorbed":
             o = mla_paged_attention(q.astype(cache_dtype), q_pe.astype(cache_dtype), ckv, kpe,
                                     batch.page_table, batch.kv_lens, batch.plan, sm_scale=cfg.softmax_scale,
-                                    backend=backend, ckv_scale=kv.ckv_scale, kpe_scale=kv.kpe_scale)
+                                    backend=backend, ckv_scale=kv.ckv_scale, kpe_scale=kv.kpe_scale,
+                                    fp8_products=fp8_products)
         else:
             # Both forms attend to the values as stored (cache dtype) so they agree in bf16 and fp8 too.
             o = self._expanded_attention(q, q_pe, stored_values(ckv_new, kv.ckv.dtype, kv.ckv_scale, cache_dtype),

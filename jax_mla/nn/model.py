@@ -46,8 +46,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = (SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, rngs=rngs, dtype=dtype,
                            param_dtype=param_dtype, precision=precision) if with_mlp else None)
 
-    def __call__(self, x, kv: PagedKV, batch: PagedBatch, *, form: str, backend: str, mesh=None):
-        a, kv = self.self_attn(self.input_layernorm(x), kv, batch, form=form, backend=backend, mesh=mesh)
+    def __call__(self, x, kv: PagedKV, batch: PagedBatch, *, form: str, backend: str, mesh=None,
+                 fp8_products: bool = False):
+        a, kv = self.self_attn(self.input_layernorm(x), kv, batch, form=form, backend=backend, mesh=mesh,
+                               fp8_products=fp8_products)
         x = x + a
         if self.mlp is not None:
             x = x + self.mlp(self.post_attention_layernorm(x))
@@ -80,7 +82,8 @@ class DeepseekModel(nnx.Module):
 
     def __call__(self, tokens: jax.Array, caches: Sequence[PagedKV], batch: PagedBatch, *,
                  form: str = "absorbed", backend: str = "auto", logits_rows: jax.Array | None = None,
-                 mesh: jax.sharding.Mesh | None = None) -> tuple[jax.Array, tuple[PagedKV, ...]]:
+                 mesh: jax.sharding.Mesh | None = None,
+                 fp8_products: bool = False) -> tuple[jax.Array, tuple[PagedKV, ...]]:
         """tokens [T] int32 (the plan's query tokens) -> (float32 logits, updated caches).
 
         logits_rows picks the rows to project to the vocabulary (e.g. the last token of
@@ -88,13 +91,14 @@ class DeepseekModel(nnx.Module):
         S = 1 without a mesh): each shard's rows, counted within the shard's own tokens,
         giving S * n rows.
         mesh: run over a (data, tensor) mesh; see MLAAttention.
+        fp8_products: with fp8 caches, the attention op's lossy e4m3 x e4m3 option; see MLAAttention.
         """
         if len(caches) != len(self.layers):
             raise ValueError(f"got {len(caches)} layer caches for {len(self.layers)} layers")
         x = self.embed_tokens(tokens)
         new_caches = []
         for layer, kv in zip(self.layers, caches):
-            x, kv = layer(x, kv, batch, form=form, backend=backend, mesh=mesh)
+            x, kv = layer(x, kv, batch, form=form, backend=backend, mesh=mesh, fp8_products=fp8_products)
             new_caches.append(kv)
         x = self.norm(x)
         if logits_rows is not None and jnp.ndim(logits_rows) == 2:

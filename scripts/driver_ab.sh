@@ -18,6 +18,8 @@
 # TRACE_CASES="wide/time1_128x4096_h128_ps64 ...": also build every variant that passed with -DJAX_MLA_TRACE,
 # time those cases once more and print the body's timeline (tools/trace_report.py; after another attention
 # launch, and after an op's merge kernel: CASE@merge), with TRACE_ARGS (e.g. "--first 4 --pairs 1 6").
+# UNCHECKED="name ...": variants timed whether or not their checks pass (probes that skip work, e.g.
+# -DJAX_MLA_NARROW_FP8_COPY_ONLY).
 # BLOCK_TRACE=1: also build every variant with -DJAX_MLA_BLOCK_TRACE, run every timed case once more and
 # print where each block ran (tools/block_trace_report.py).
 set -u
@@ -70,7 +72,10 @@ for name in $names; do
   rm -f /tmp/driver_ab_check/*.out
   timeout 120 "/tmp/driver_ab_$name" /tmp/driver_ab_check/case*.bin > "$LOGS/check_$name.log" 2>&1
   JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py check /tmp/driver_ab_check >> "$LOGS/check_$name.log" 2>&1
-  if grep -q "HARNESS OK" "$LOGS/check_$name.log"; then
+  if [[ " ${UNCHECKED:-} " == *" $name "* ]]; then  # a timing probe whose output is wrong by design
+    passed="$passed $name"
+    echo "$name: not checked (UNCHECKED)"
+  elif grep -q "HARNESS OK" "$LOGS/check_$name.log"; then
     passed="$passed $name"
     echo "$name: checks ok (largest out_err $(grep -o 'out_err=[0-9.e+-]*' "$LOGS/check_$name.log" | cut -d= -f2 | sort -g | tail -1))"
   else

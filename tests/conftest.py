@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+import sys
 import zlib
 
 import jax
@@ -18,3 +20,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 def rng(request):
     # A fresh, reproducible stream per test (crc32: str hash() is salted per process).
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def bench_attention():
+    """benchmarks/bench_attention.py as a module (it imports its neighbour gpu_power, so benchmarks/ is put on
+    the path while it loads)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_attention
+    finally:
+        sys.path.pop(0)
+    return bench_attention

@@ -1,33 +1,19 @@
 """benchmarks/bench_attention.py's fp8 rows on the CPU handler: a tiny fp8 shape timed with and without the
 op's fp8_products option, its errors against the dequantized reference, and the fp8 table's two rows."""
 
-import pathlib
-import sys
-
 import jax
-import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_attention
-    finally:
-        sys.path.pop(0)
-    return bench_attention
-
-
-def test_fp8_products_apply_only_to_64_key_units(bench):
+def test_fp8_products_apply_only_to_64_key_units(bench_attention):
+    bench = bench_attention
     assert bench.fp8_products_apply((128, 4096, 128, 64, 1))
     assert bench.fp8_products_apply((128, 4096, 64, 32, 1))
     assert not bench.fp8_products_apply((128, 4096, 16, 64, 1))  # narrow units ignore the option
     assert not bench.fp8_products_apply((128, 4096, 128, 16, 1))  # pages under 32 keys: no 64-key body
 
 
-def test_fp8_rows_run_with_and_without_fp8_products(bench):
+def test_fp8_rows_run_with_and_without_fp8_products(bench_attention):
+    bench = bench_attention
     shape = (2, 100, 64, 32, 1)
     copy_bps = 1e11
     recs = []

@@ -70,15 +70,10 @@ def test_sampling_reads_a_stand_in_nvidia_smi(tmp_path, monkeypatch):
     assert s["power_W_median"] == 699.5 and s["sm_MHz_min"] == 1800 and s["power_capped_fraction"] == 1.0
 
 
-def test_power_table_has_a_column_per_peer_sampled():
+def test_power_table_has_a_column_per_peer_sampled(bench_attention):
     """bench_attention.power_table: ours and every peer with a power summary get a column; shapes without
     one read "-"; no summary anywhere, no table."""
-    import sys
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_attention as bench
-    finally:
-        sys.path.pop(0)
+    bench = bench_attention
     p = lambda w, mhz, cap: dict(power_W_median=w, sm_MHz_median=mhz, power_capped_fraction=cap)
     shape = dict(batch=128, kv_len=4096, heads=128, page_size=64, q_len=1)
     recs = [dict(shape, power=p(692, 1635, 1.0), flashmla_power=p(691.5, 1500, 1.0)),

@@ -70,6 +70,7 @@ import numpy as np  # noqa: E402
 from jax_mla import build_info, default_target, mla_paged_attention, plan_mla  # noqa: E402
 from jax_mla import fp8_scale, mla_paged_attention_reference, quantize_fp8  # noqa: E402
 from jax_mla.arg_specs import Uniform, arg_specs  # noqa: E402
+from jax_mla.planner import full_tiles_by_tma  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_power  # noqa: E402
@@ -585,7 +586,7 @@ def fp8_products_apply(s):
     """Whether mla_paged_attention(..., fp8_products=True) changes anything on shape s: only the sm_90a 64-key
     units read e4m3 x e4m3 (64 heads or more, pages of 32 keys or more); other units ignore the option."""
     b, l, h, ps, q = s
-    return h >= 64 and ps >= 32
+    return full_tiles_by_tma(h, ps)
 
 
 def fp8_name(rec):

@@ -42,6 +42,12 @@ INT32_MAX = 2**31 - 1
 WIDE_TMA_MIN_PAGE = 32
 
 
+def full_tiles_by_tma(num_heads: int, page_size: int) -> bool:
+    """Whether a call's units are full 64-row tiles whose blocks come by TMA (64+ heads, pages of 32+ keys):
+    on sm_90a the CUDA kernel's 64-key body, the units `fp8_products` changes."""
+    return num_heads >= ROWS_PER_TILE and page_size >= WIDE_TMA_MIN_PAGE
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanTarget:
     """What the plan is balanced for.
@@ -81,7 +87,7 @@ class PlanTarget:
 
     def overhead_for(self, num_heads: int, page_size: int) -> int:
         """The unit cost the planner uses for a call of num_heads heads on pages of page_size keys."""
-        if self.wide_unit_overhead is not None and num_heads >= ROWS_PER_TILE and page_size >= WIDE_TMA_MIN_PAGE:
+        if self.wide_unit_overhead is not None and full_tiles_by_tma(num_heads, page_size):
             return int(self.wide_unit_overhead)
         return int(self.unit_overhead)
 

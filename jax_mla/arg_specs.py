@@ -12,7 +12,8 @@ Tags:
   ``cpu``      the CPU handler's benchmark (``benchmarks/bench_cpu.py``);
   ``sweep``    the CUDA correctness sweep (``tests/test_arg_specs.py``, marked ``gpu``);
   ``small``    the short correctness set: compute-sanitizer's cases, and run on every backend in CI;
-  ``fp8``      fp8-cache benchmark shapes, timed beside the bf16 cache of the same shape.
+  ``fp8``      fp8-cache benchmark shapes, timed beside the bf16 cache of the same shape;
+  ``pages``    wide units on pages under 32 keys (blocks gathered by cp.async), which the driver times.
 
 A length is an int (every request), a tuple (one per request) or a `Uniform` draw per request.
 """
@@ -182,6 +183,11 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(40, 16, Uniform(1, 3), Uniform(64, 4096, 4), batch=96, tags=_tags("extra")),
     ArgSpec(128, 64, 1, Uniform(500, 16384, 7), batch=64, tags=_tags("extra")),
     ArgSpec(16, 64, 1, Uniform(1, 4096, 3), batch=100, tags=_tags("extra")),
+    # wide units on pages under 32 keys (SGLang's FlashInfer MLA path runs on pages of one key): the
+    # kernel cannot read these blocks by TMA
+    ArgSpec(128, 1, 1, 4096, batch=128, tags=_tags("extra", "pages")),
+    ArgSpec(64, 16, 1, 4096, batch=128, tags=_tags("extra", "pages")),
+    ArgSpec(16, 1, 2, 4096, batch=128, tags=_tags("extra", "pages")),
     # ---- planner sweep only
     ArgSpec(16, 64, 1, 8192, batch=8, tags=_tags("planner")),
     ArgSpec(128, 64, 1, 2048, batch=16, tags=_tags("planner")),

@@ -191,6 +191,17 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
             return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true>>(blocks, Wide64Sm90::kThreads,
                                                                                  kSm90SmemBytes, stream, p, maps);
           }
+#ifndef JAX_MLA_WIDE64_NO_GATHER  // (an A/B switch: pages under 32 keys on v5b's producer body, as before)
+          // A 16-bit cache whose maps could not be made (pages of fewer than 32 keys: no box fits a
+          // page) takes the same body with its blocks gathered by cp.async (kGather). On v5b's
+          // producer body such units ran at 0.70-0.82x of FlashInfer's fa3 (128 x 4096, 128 heads on
+          // pages of one key, 64 heads on pages of 16, 16 heads x 2 tokens on pages of one key;
+          // ffi/cuda/NOTES.md, "the 64-key body on small pages").
+          if constexpr (kCache == kCacheAsQuery) {
+            return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true>>(
+                blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream, p, maps);
+          }
+#endif
         }
       }
 #endif

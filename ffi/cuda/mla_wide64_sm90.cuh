@@ -1,8 +1,9 @@
-// The wide body for caches read by TMA (page size >= 32; a 16-bit cache, or an fp8 ckv with a
-// 16-bit kpe): two warpgroups, no producer, 64-key blocks (ffi/cuda/NOTES.md, "v8", "v8f", "fp8 on
-// the 64-key body"), launched for every head count on a 16-bit cache and for 64 heads or more on an
-// fp8 ckv (mla_launch.cuh). mla_wide_sm90.cuh's body (v5b) keeps the rest: page sizes below 32, an fp8
-// ckv below 64 heads; an fp8 kpe and a unit start off a 32-key boundary take the portable body.
+// The wide body of 64-key blocks: two warpgroups, no producer (ffi/cuda/NOTES.md, "v8", "v8f", "fp8
+// on the 64-key body", "the 64-key body on small pages"), launched for a 16-bit cache at every head
+// count and page size (blocks by TMA on pages of 32+ keys, else gathered by cp.async: kGather) and for
+// an fp8 ckv with a 16-bit kpe at 64 heads or more on pages of 32+ keys (mla_launch.cuh).
+// mla_wide_sm90.cuh's body (v5b) keeps the rest: an fp8 ckv below 64 heads or on smaller pages; an fp8
+// kpe, and a unit start off a box boundary in a TMA launch, take the portable body.
 //
 // One block = one work unit x 64 rows (padding rows zero). Shared memory holds the latent
 // queries (eight 128-byte-swizzled panels of 64 dims), two key buffers of one 64-key block each
@@ -66,7 +67,10 @@ struct Wide64Sm90 {
   static constexpr int BAR_OFF = MASK_OFF + 4 * 4;
   // full x buffer x tile; m_A, m_B, P_A, P_B ready; an fp8 cache's "half free" x buffer
   static constexpr int NUM_BARS = 2 * TILES + 4 + 2;
-  static constexpr int BYTES = BAR_OFF + NUM_BARS * 8;
+  // Gathered blocks (kGather): u64 per buffer and use parity, bit k = key k is usable (a page id per
+  // key on pages of one key, so the boxes' two bits do not serve).
+  static constexpr int KEYMASK_OFF = BAR_OFF + NUM_BARS * 8;
+  static constexpr int BYTES = KEYMASK_OFF + 4 * 8;
   static constexpr int SMEM_BYTES = BYTES + 1024 - 16;  // room to align the base
 
   enum Stat : int { kMaxA = 0, kMaxB = 1, kSum0 = 2, kSum1 = 3 };
@@ -100,10 +104,13 @@ struct Wide64Sm90 {
   static __device__ __forceinline__ uint32_t mask_addr(uint32_t base, int blk) {
     return base + MASK_OFF + ((blk & 1) * 2 + ((blk >> 1) & 1)) * 4;
   }
+  static __device__ __forceinline__ uint32_t keymask_addr(uint32_t base, int blk) {
+    return base + KEYMASK_OFF + ((blk & 1) * 2 + ((blk >> 1) & 1)) * 8;
+  }
   static_assert(SMEM_BYTES <= 227 * 1024, "one block per SM must fit");
   static_assert(TILE % 1024 == 0 && QPANEL % 1024 == 0 && K_OFF % 1024 == 0 && P0_OFF % 1024 == 0,
                 "swizzle atoms stay aligned");
-  static_assert(BAR_OFF % 8 == 0, "mbarriers are 8-byte aligned");
+  static_assert(BAR_OFF % 8 == 0 && KEYMASK_OFF % 8 == 0, "mbarriers and key masks are 8-byte aligned");
 };
 
 // Hand-off h, an mbarrier: all 128 threads of the sender signal, all 128 of the receiver wait
@@ -201,6 +208,71 @@ __device__ __forceinline__ void wide64_load_raw(const KeyTensorMaps& maps, uint3
   for (int q = 0; q < 4; ++q) wide64_load_tile(maps, base, buf, W::raw_tile0(buf) + q, &maps.ckv, 128 * q, b);
 }
 
+// ---- gathered blocks (kGather: a 16-bit cache on pages of fewer than 32 keys) ----
+// No TMA box fits in such a page, so each block comes by cp.async, 16 bytes a copy, into the same
+// tiles the boxes fill, issued by the warpgroup that would have issued the boxes (every thread
+// instead of one; the refill points and the order are the TMA path's). Warp w of the warpgroup takes
+// keys 16 w .. 16 w + 15 of the block, lane j < 16 holding key 16 w + j's page id. Half 0 (tiles 0-3:
+// dims 0-255) and half 1 (tiles 4-7: dims 256-511) are each 512 consecutive bytes of a key's row, so
+// one warp instruction copies one key's half whole (lane l: its chunk l), whole 128-byte lines; the
+// rope tile goes four keys an instruction. (Two lanes a key, each of a tile's 128 bytes in 32-byte
+// pieces from four instructions, ran 1.6-2.2x slower than the v5b producer body: NOTES.md.) Each
+// thread arrives on a half's tile barriers once its copies land (noinc: 128 arrivals a tile). Keys past
+// the range or on a page id outside the cache are zero-filled and masked key by key (keymask_addr,
+// written by the warpgroup that gathers half 0 and published on tile 0's barrier by lane 0 of each
+// warp: 4 more arrivals). The S warpgroup fences for the async proxy after each wait (wide64_scores).
+// Cache rows are int: a cache of 2^31 rows would be 2 TiB of latent.
+
+// The page id lane tid % 16 of warp tid / 32 holds for block blk (key 16 warp + lane % 16); -1 past
+// the range.
+__device__ __forceinline__ Wide64Pages wide64_key_page(const Problem& p, const Unit& u, int blk, int tid) {
+  const int key = u.kv_begin + blk * Wide64Sm90::BK + 16 * (tid >> 5) + (tid & 15);
+  Wide64Pages g;
+  g.page[0] = key < u.range_end ? __ldg(page_table_row(p, u) + (key >> p.log2_page_size)) : -1;
+  g.page[1] = 0;
+  return g;
+}
+
+// Half HALF of block blk into buffer `buf` by the warpgroup's 128 threads (g: wide64_key_page); half 1
+// with the rope tile, half 0 with the block's key mask.
+template <int HALF>
+__device__ __forceinline__ void wide64_gather_half(const Problem& p, const Unit& u, uint32_t base, int buf, int blk,
+                                                   const Wide64Pages& g, int tid) {
+  using W = Wide64Sm90;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int key = u.kv_begin + blk * W::BK + 16 * warp + (lane & 15);
+  const int row = key < u.range_end && page_in_cache(p, g.page[0]) ? g.page[0] * p.page_size + (key & (p.page_size - 1))
+                                                                    : -1;  // -1: zero-filled, masked
+  const char* ckv = static_cast<const char*>(p.ckv) + HALF * 512 + lane * 16;
+  const uint64_t pol = l2_evict_first_policy();  // as the TMA boxes
+  const uint32_t kbuf = W::buf_addr(base, buf);
+  if constexpr (HALF == 0) {
+    const uint32_t bits = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;  // lanes 0-15: the warp's keys
+    if (lane == 0) st_shared_u16(W::keymask_addr(base, blk) + 2 * warp, bits);
+  }
+  const int t = 4 * HALF + (lane >> 3), c = lane & 7;  // this lane's tile and chunk of a half row
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int kl = 16 * warp + j, rj = __shfl_sync(0xffffffffu, row, j);
+    cp_async16_hint(kbuf + t * W::TILE + kl * 128 + ((c ^ (kl & 7)) << 4), ckv + (size_t)max(rj, 0) * (2 * kDimCkv),
+                    rj >= 0 ? 16 : 0, pol);
+  }
+  if constexpr (HALF == 1) {  // the rope tile: four keys an instruction
+    const char* kpe = static_cast<const char*>(p.kpe) + c * 16;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = 4 * i + (lane >> 3), kl = 16 * warp + j, rj = __shfl_sync(0xffffffffu, row, j);
+      cp_async16_hint(kbuf + W::ROPE_TILE * W::TILE + kl * 128 + ((c ^ (kl & 7)) << 4),
+                      kpe + (size_t)max(rj, 0) * (2 * kDimKpe), rj >= 0 ? 16 : 0, pol);
+    }
+  }
+#pragma unroll
+  for (int tt = 4 * HALF; tt < (HALF ? W::TILES : 4); ++tt) mbar_arrive_on_cp_async(W::full_bar(base, buf, tt));
+  if constexpr (HALF == 0) {
+    if (lane == 0) mbar_arrive(W::full_bar(base, buf, 0));  // publishes the warp's mask bits
+  }
+}
+
 // fp8 cache: a block's raw latent turned into the eight 16-bit tiles the MMAs read (MT: fp16, exact),
 // in place, by one warpgroup (tid 0-127): tile t holds dims 64 t .. 64 t + 63 as a 16-bit cache's
 // TMA would have put them. Raw panel q becomes tiles 2q and 2q + 1. Two lanes own key r = 16 warp +
@@ -246,9 +318,11 @@ __device__ __forceinline__ void wide64_convert_block(uint32_t base, int buf, int
 // S = Q K^T for the block in `kbuf`, each tile as its barrier completes: steps [I0, I1) of the
 // tile order, tiles 0-3 first when kLeftFirst (WG0: refilled first), else 4-8 first (WG1).
 // Without `wait`, kbuf is the query panels and the product is thrown away: the loop issues every
-// wgmma on every trip (see wide_consumer), and the queries are never written. Async: the caller
+// wgmma on every trip (see wide_consumer), and the queries are never written. kGather: the tiles were
+// written by cp.async (generic proxy), so each wait is followed by a proxy fence. Async: the caller
 // commits.
-template <typename T, typename MT, bool kFp8, bool kLeftFirst, int I0 = 0, int I1 = Wide64Sm90::TILES>
+template <typename T, typename MT, bool kFp8, bool kLeftFirst, int I0 = 0, int I1 = Wide64Sm90::TILES,
+          bool kGather = false>
 __device__ __forceinline__ void wide64_scores(float (&s)[Wide64Sm90::SACC], const uint32_t (&q_rope)[4][4],
                                               uint32_t base, uint32_t kbuf, int buf, int parity, bool wait) {
   using W = Wide64Sm90;
@@ -259,7 +333,10 @@ __device__ __forceinline__ void wide64_scores(float (&s)[Wide64Sm90::SACC], cons
   for (int i = I0; i < I1; ++i) {
     const int t = kLeftFirst ? i : (i < 5 ? i + 4 : i - 5);
     // (an fp8 cache's latent tiles were waited for and converted before: wide64_convert_block)
-    if (wait && (!kFp8 || t == W::ROPE_TILE)) mbar_wait(W::full_bar(base, buf, t), parity);
+    if (wait && (!kFp8 || t == W::ROPE_TILE)) {
+      mbar_wait(W::full_bar(base, buf, t), parity);
+      if constexpr (kGather) fence_proxy_async_shared();
+    }
     if (i == 0) wgmma_fence();
     if (t == W::ROPE_TILE) {
       const uint32_t tile = wait ? W::ROPE_TILE * W::TILE : 0;
@@ -331,24 +408,27 @@ __device__ __forceinline__ void wide64_zero_rows(uint32_t kbuf, int from, int ti
 }
 
 // Masks and scales the scores of block blk (key0: its first key) in S's accumulator layout: keys of a
-// box on a bad page (the block's mask word) or past a row's limit get -inf, the rest times the row's
-// base-2 softmax scale.
+// box on a bad page (the block's mask word; kKeys, gathered blocks: a key's bit of the key mask) or
+// past a row's limit get -inf, the rest times the row's base-2 softmax scale.
+template <bool kKeys = false>
 __device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC], uint32_t base, int blk, int key0,
                                                    const int (&limit)[2], const float (&scale_log2)[2], int t4) {
   using W = Wide64Sm90;
-  const uint32_t ok = *reinterpret_cast<const uint32_t*>(__cvta_shared_to_generic(W::mask_addr(opaque(base), blk)));
-  if (ok == 3u && key0 + W::BK <= min(limit[0], limit[1])) {
+  using Mask = std::conditional_t<kKeys, uint64_t, uint32_t>;
+  const uint32_t at = kKeys ? W::keymask_addr(opaque(base), blk) : W::mask_addr(opaque(base), blk);
+  const Mask ok = *reinterpret_cast<const Mask*>(__cvta_shared_to_generic(at));
+  if (ok == (kKeys ? ~Mask(0) : Mask(3)) && key0 + W::BK <= min(limit[0], limit[1])) {
 #pragma unroll
     for (int i = 0; i < W::SACC; ++i) x[i] *= scale_log2[(i >> 1) & 1];
     return;
   }
 #pragma unroll
   for (int j = 0; j < W::SACC / 4; ++j) {
-    const bool box_ok = (ok >> (j >> 2)) & 1;  // keys 8j .. 8j + 7 lie in box j / 4
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int kl = 8 * j + 2 * t4 + (e & 1);
-      x[4 * j + e] = box_ok && key0 + kl < limit[e >> 1] ? x[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
+      const bool key_ok = (ok >> (kKeys ? kl : j >> 2)) & 1;  // boxes: keys 8j .. 8j + 7 lie in box j / 4
+      x[4 * j + e] = key_ok && key0 + kl < limit[e >> 1] ? x[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
     }
   }
 }
@@ -360,12 +440,15 @@ __device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC],
 // block A + 2's raw bytes where it refilled tiles 0-3, WG1 block B + 2's where it refilled tiles 4-8,
 // each with its rope tile (WG1 issues A + 2's). The latent MMAs run in fp16 (LatentMmaType), the
 // queries brought into fp16's range per row as in v5b (wide_prepare_queries_fp8).
-template <typename T, int kCache, int HALF>
+// kGather: a 16-bit cache on pages of fewer than 32 keys; the blocks come by cp.async
+// (wide64_gather_half), issued where the TMA path issues its boxes, by the whole warpgroup.
+template <typename T, int kCache, int HALF, bool kGather = false>
 __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                  int hb, uint32_t base) {
   using W = Wide64Sm90;
   using MT = LatentMmaType<T, kCache>;
   constexpr bool kFp8 = kCache == kCacheFp8Ckv;
+  static_assert(!kGather || kCache == kCacheAsQuery, "gathered blocks: a 16-bit cache");
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
 #ifdef JAX_MLA_TRACE  // (mla_common.cuh) row 0: the prologue and the epilogue; row 1 + n: pair n
@@ -385,12 +468,20 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   // The page ids are read first and the tiles issued after this thread's query copies, so that no
   // query copy waits for the page table.
   // WG0 also reads the ids of the first pair's refills (blocks 2 and 3): see the loop's top.
+  // Gathered blocks: every thread, the id of its own key (wide64_key_page).
+  auto block_pages = [&](int blk) {
+    if constexpr (kGather) {
+      return wide64_key_page(p, u, blk, tid);
+    } else {
+      return wide64_block_pages(p, maps, u, blk);
+    }
+  };
   Wide64Pages first[2] = {}, ahead_a = {}, ahead_b = {};
-  if (tid == 0) {
-    if (num_blocks > 0) first[0] = wide64_block_pages(p, maps, u, 0);
-    if (num_blocks > 1) first[1] = wide64_block_pages(p, maps, u, 1);
-    if (HALF == 0 && num_blocks > 2) ahead_a = wide64_block_pages(p, maps, u, 2);
-    if (HALF == 0 && num_blocks > 3) ahead_b = wide64_block_pages(p, maps, u, 3);
+  if (kGather || tid == 0) {
+    if (num_blocks > 0) first[0] = block_pages(0);
+    if (num_blocks > 1) first[1] = block_pages(1);
+    if (HALF == 0 && num_blocks > 2) ahead_a = block_pages(2);
+    if (HALF == 0 && num_blocks > 3) ahead_b = block_pages(3);
   }
   JAX_MLA_TRACE_AT(0, 9);
   // Queries: rows r = (token r / hb, head h0 + r % hb), padding rows zero; the latent part into
@@ -399,7 +490,20 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     return c < 64 ? base + W::Q_OFF + WideSm90::chunk_offset(rr, c, W::QPANEL)
                   : base + W::P1_OFF + WideSm90::chunk_offset(rr, c - 64, 0);
   });
-  if (tid == 0 && kFp8) {  // block HALF whole: mask, raw latent, rope
+  if constexpr (kGather) {
+    // The queries are one cp.async group (waited for below); the gathers arrive on the tiles'
+    // barriers and stay out of every group.
+    cp_async_commit();
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {
+      if (blk >= num_blocks) break;
+      if constexpr (HALF == 0) {
+        wide64_gather_half<0>(p, u, base, blk, blk, first[blk], tid);
+      } else {
+        wide64_gather_half<1>(p, u, base, blk, blk, first[blk], tid);
+      }
+    }
+  } else if (tid == 0 && kFp8) {  // block HALF whole: mask, raw latent, rope
     if (HALF < num_blocks) {
       const Wide64Rows b = wide64_block_rows(p, maps, u, HALF, first[HALF]);
       st_shared_u32(W::mask_addr(base, HALF), b.ok);
@@ -420,7 +524,11 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     }
   }
   JAX_MLA_TRACE_AT(0, 1);
-  cp_async_wait_all();
+  if constexpr (kGather) {
+    cp_async_wait<0>();  // the queries' group only
+  } else {
+    cp_async_wait_all();
+  }
   fence_proxy_async_shared();  // the query panels reach wgmma's reads
   named_barrier_sync(W::kBoth, W::kThreads);
   JAX_MLA_TRACE_AT(0, 2);
@@ -444,7 +552,9 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
 
   // Masks and scales the scores of block blk (key0: its first key).
   auto mask = [&](int blk, int key0) {
-    return [&, blk, key0](float (&x)[W::SACC]) { wide64_mask_scores(x, base, blk, key0, limit, scale_log2, t4); };
+    return [&, blk, key0](float (&x)[W::SACC]) {
+      wide64_mask_scores<kGather>(x, base, blk, key0, limit, scale_log2, t4);
+    };
   };
 
   float o[128];
@@ -464,14 +574,14 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   if constexpr (HALF == 0) {
     if (num_blocks > 0) {
       if constexpr (kFp8) convert(0, 0, false, 0);
-      wide64_scores<T, MT, kFp8, true>(s, q_rope, base, kb0, 0, 0, true);
+      wide64_scores<T, MT, kFp8, true, 0, W::TILES, kGather>(s, q_rope, base, kb0, 0, 0, true);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(s);
     }
   } else if (num_blocks > 1) {
     if constexpr (kFp8) convert(1, 0, false, 0);
-    wide64_scores<T, MT, kFp8, false>(s, q_rope, base, kb1, 1, 0, true);
+    wide64_scores<T, MT, kFp8, false, 0, W::TILES, kGather>(s, q_rope, base, kb1, 1, 0, true);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(s);
@@ -495,9 +605,9 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     // session"). WG1 waits for m_A here anyway. Their rows are made where the refills need them
     // (made here, the thread waited ~300 cycles for the page table: NOTES.md, "third session").
     Wide64Pages pages_a = ahead_a, pages_b = ahead_b;
-    if (HALF == 1 && tid == 0) {
-      if (next_a) pages_a = wide64_block_pages(p, maps, u, blk_a + 2);
-      if (next_b) pages_b = wide64_block_pages(p, maps, u, blk_b + 2);
+    if (HALF == 1 && (kGather || tid == 0)) {
+      if (next_a) pages_a = block_pages(blk_a + 2);
+      if (next_b) pages_b = block_pages(blk_b + 2);
     }
     if constexpr (HALF == 0) {
       // ---- block A: softmax, m_A out, PV from registers ----
@@ -522,7 +632,9 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       fence_registers(o);
       fence_fragments(pa);
       JAX_MLA_TRACE_AT(pair + 1, 3);
-      if (tid == 0 && next_a) {  // block A's tiles 0-3 are read: block A + 2's go in (fp8: its raw latent)
+      if constexpr (kGather) {  // block A's tiles 0-3 are read: block A + 2's go in
+        if (next_a) wide64_gather_half<0>(p, u, base, 0, blk_a + 2, pages_a, tid);
+      } else if (tid == 0 && next_a) {  // block A's tiles 0-3 are read: block A + 2's go in (fp8: its raw latent)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
         st_shared_u32(W::mask_addr(base, blk_a + 2), b.ok);
         if constexpr (kFp8) {
@@ -561,9 +673,9 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       wgmma_fence();
       wide64_pv_shared_p<MT, 0>(o, base + W::P1_OFF, has_b ? kb1 : q_panels);
       wgmma_commit();
-      if (tid == 0) {  // the next pair's refill ids, while the S below waits for its tiles
-        if (blk_a + 4 < num_blocks) ahead_a = wide64_block_pages(p, maps, u, blk_a + 4);
-        if (blk_b + 4 < num_blocks) ahead_b = wide64_block_pages(p, maps, u, blk_b + 4);
+      if (kGather || tid == 0) {  // the next pair's refill ids, while the S below waits for its tiles
+        if (blk_a + 4 < num_blocks) ahead_a = block_pages(blk_a + 4);
+        if (blk_b + 4 < num_blocks) ahead_b = block_pages(blk_b + 4);
       }
       if constexpr (kFp8) {
         // Block A + 2 into fp16 while P_B V_B runs (its tiles 4-7 once WG1's P_A V_A is done), then
@@ -584,19 +696,23 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       } else {
         // The next S in two parts: tiles 0-3 (refilled above) go in before the refill of block B's
         // tiles 0-3, tiles 4-8 (WG1 refills them last) after it, so that refill never waits for them.
-        wide64_scores<T, MT, kFp8, true, 0, 4>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1, next_a);
+        wide64_scores<T, MT, kFp8, true, 0, 4, kGather>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1,
+                                                        next_a);
         wgmma_commit();
         JAX_MLA_TRACE_AT(pair + 1, 8);
         wgmma_wait<1>();
         fence_registers(o);
         JAX_MLA_TRACE_AT(pair + 1, 9);
         // Block B's tiles 0-3 are read (WG1's S before its signal, our PV now).
-        if (tid == 0 && next_b) {
+        if constexpr (kGather) {
+          if (next_b) wide64_gather_half<0>(p, u, base, 1, blk_b + 2, pages_b, tid);
+        } else if (tid == 0 && next_b) {
           const Wide64Rows b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);
           st_shared_u32(W::mask_addr(base, blk_b + 2), b.ok);
           wide64_load_tiles<0, 4>(maps, base, 1, b);
         }
-        wide64_scores<T, MT, kFp8, true, 4, 9>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1, next_a);
+        wide64_scores<T, MT, kFp8, true, 4, 9, kGather>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1,
+                                                        next_a);
         wgmma_commit();
         JAX_MLA_TRACE_AT(pair + 1, 10);
       }
@@ -649,7 +765,9 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       wgmma_wait<1>();
       fence_fragments(pb);
       JAX_MLA_TRACE_AT(pair + 1, 6);
-      if (tid == 0 && next_b) {  // block B's tiles 4-8 are read (fp8: block B + 2 whole goes in)
+      if constexpr (kGather) {  // block B's tiles 4-8 are read
+        if (next_b) wide64_gather_half<1>(p, u, base, 1, blk_b + 2, pages_b, tid);
+      } else if (tid == 0 && next_b) {  // block B's tiles 4-8 are read (fp8: block B + 2 whole goes in)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);
         if constexpr (kFp8) {
           st_shared_u32(W::mask_addr(base, blk_b + 2), b.ok);
@@ -664,14 +782,17 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
         if (next_a) mbar_arrive(W::free_bar(base, 0));
       }
       JAX_MLA_TRACE_AT(pair + 1, 8);
-      if (tid == 0 && next_a) {  // block A's tiles 4-8 are read (fp8: its rope tile; the raw latent is in)
+      if constexpr (kGather) {  // block A's tiles 4-8 are read
+        if (next_a) wide64_gather_half<1>(p, u, base, 0, blk_a + 2, pages_a, tid);
+      } else if (tid == 0 && next_a) {  // block A's tiles 4-8 are read (fp8: its rope tile; the raw latent is in)
         wide64_load_tiles<kFp8 ? 8 : 4, 9>(maps, base, 0, wide64_block_rows(p, maps, u, blk_a + 2, pages_a));
       }
       JAX_MLA_TRACE_AT(pair + 1, 9);
       if constexpr (kFp8) {
         if (next_b) convert(1, parity ^ 1, true, parity);
       }
-      wide64_scores<T, MT, kFp8, false>(s, q_rope, base, next_b ? kb1 : q_panels, 1, parity ^ 1, next_b);
+      wide64_scores<T, MT, kFp8, false, 0, W::TILES, kGather>(s, q_rope, base, next_b ? kb1 : q_panels, 1, parity ^ 1,
+                                                              next_b);
       wgmma_commit();
       JAX_MLA_TRACE_AT(pair + 1, 10);
       wgmma_wait<0>();
@@ -709,13 +830,15 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
 
 // The body: barriers, then the two warpgroups (threads 0-255; the caller has sent the rest away).
 // kE4m3: an fp8 ckv's units multiply on e4m3 (Problem::fp8_products; its own kernel instance).
-template <typename T, int kCache, bool kE4m3 = false>
+template <typename T, int kCache, bool kE4m3 = false, bool kGather = false>
 __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                    int hb, uint32_t base) {
   using W = Wide64Sm90;
   if (threadIdx.x == 0) {
+    // A tile's fill: one arrival with its bytes (TMA), or each gathering thread's when its copies land
+    // (kGather; tile 0 also one from each warp that wrote mask bits).
     for (int b = 0; b < 2; ++b)
-      for (int t = 0; t < W::TILES; ++t) mbar_init(W::full_bar(base, b, t), 1);
+      for (int t = 0; t < W::TILES; ++t) mbar_init(W::full_bar(base, b, t), kGather ? (t == 0 ? 132 : 128) : 1);
     for (int h = 0; h < 4; ++h) mbar_init(W::handoff_bar(base, h), 128);
     if constexpr (kCache == kCacheFp8Ckv) {
       for (int b = 0; b < 2; ++b) mbar_init(W::free_bar(base, b), 128);
@@ -733,9 +856,9 @@ __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTe
     return;
   }
   if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 0) {
-    wide64_warpgroup<T, kCache, 0>(p, maps, u, h0, hb, base);
+    wide64_warpgroup<T, kCache, 0, kGather>(p, maps, u, h0, hb, base);
   } else {
-    wide64_warpgroup<T, kCache, 1>(p, maps, u, h0, hb, base);
+    wide64_warpgroup<T, kCache, 1, kGather>(p, maps, u, h0, hb, base);
   }
 }
 

@@ -420,16 +420,20 @@ def test_cpu_handler_rejects_bad_operands():
 @pytest.mark.parametrize("dims", [SMALL, DEEPSEEK], ids=["small", "deepseek"])
 @pytest.mark.parametrize("where", ["q_nope", "q_pe", "q_inf", "ckv", "kpe"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
-def test_nan_in_gives_nan_in_the_rows_it_reaches(rng, dims, where, split):
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_nan_in_gives_nan_in_the_rows_it_reaches(rng, dims, where, split, page_size):
     """A NaN (or inf) in a query, or in a cache row some tokens see, makes exactly the rows the
     reference makes NaN (output and LSE) NaN, and leaves every other row as it was: the kernels never
-    hide it as a zero row with LSE -inf. Wide units (64 heads x 2 tokens) and narrow ones (2 heads)."""
+    hide it as a zero row with LSE -inf. Wide units (64 heads x 2 tokens) and narrow ones (2 heads), on
+    pages of 16 keys (the sm_90a 64-key body gathers them) and of 64 (read by TMA). Request 2's first
+    token sees 448 keys, seven 64-key blocks unsplit: that body's last pair then has no block B, the
+    case that once multiplied the query tile by zero and spread a query's NaN over every row."""
     require_kernel(*dims)
     heads = 64 if dims == DEEPSEEK else 2
-    qo, kv = np.array([2, 1, 3]), np.array([300, 40, 500])
-    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=16, d_ckv=dims[0], d_kpe=dims[1],
+    qo, kv = np.array([2, 1, 3]), np.array([300, 40, 450])
+    batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=page_size, d_ckv=dims[0], d_kpe=dims[1],
                                dtype=BF16)
-    plan = plan_mla(qo, kv, num_heads=heads, page_size=16, target=SPLIT if split else NO_SPLIT)
+    plan = plan_mla(qo, kv, num_heads=heads, page_size=page_size, target=SPLIT if split else NO_SPLIT)
     assert_splits(plan, split)
     b = batch.__dict__.copy()
     table = batch.page_table_host
@@ -438,7 +442,7 @@ def test_nan_in_gives_nan_in_the_rows_it_reaches(rng, dims, where, split):
         b[key] = b[key].at[3, 1, 7].set(jnp.inf if where == "q_inf" else jnp.nan)  # request 2's first token
     else:
         pos = 250  # request 2's key 250: all its tokens see it; nobody else's page holds it
-        b[where] = b[where].at[table[2, pos // 16], pos % 16, 3].set(jnp.nan)
+        b[where] = b[where].at[table[2, pos // page_size], pos % page_size, 3].set(jnp.nan)
     bad = type(batch)(**b)
     args = (bad.q_nope, bad.q_pe, bad.ckv, bad.kpe, bad.page_table, bad.kv_lens, plan)
     assert_nan_rows_match(*run_ffi(*args), *run_reference(*args), OUT_TOL[BF16])

@@ -225,7 +225,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
   auto stat_ptr = [&](int which, int row) { return W::stat(base, which, row); };
   const uint32_t kb0 = W::buf_addr(base, 0), kb1 = W::buf_addr(base, 1), q_panels = base + W::Q_OFF;
   const uint32_t p0 = base + W::P0_OFF, p1 = base + W::P1_OFF, p2 = base + E::P2_OFF;
-  // This warpgroup's raw panels (dims 256 HALF ..) of buffer `buf`, or the query panels.
+  // This warpgroup's raw panels (dims 256 HALF ..) of buffer `buf`.
   auto half_panels = [&](int buf) { return W::buf_addr(base, buf) + (W::raw_tile0(buf) + 2 * HALF) * W::TILE; };
 
   // ---- prologue: the first two blocks (WG0: panels 0-1 and the masks; WG1: panels 2-3 and rope) ----
@@ -404,8 +404,10 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
       // both warpgroups pass the same number of named barriers: racecheck stops seeing a barrier order
       // once the counts differ; NOTES.md, "twelfth session")
       handoff_wait(W::kP1Ready, base, parity);
-      // Without a block B, WG1 stored P_B = 0 and this adds 0 times the query panels.
-      e4m3_pv(o, a8, has_b ? half_panels(1) : q_panels, p1, warp, lane);
+      // Without a block B, WG1 stored P_B = 0 and this adds 0 times block A's panels (already multiplied,
+      // rows past the range zeroed); not the query panels, whose NaN or inf element times 0 is NaN
+      // (mla_wide64_sm90.cuh).
+      e4m3_pv(o, a8, half_panels(has_b ? 1 : 0), p1, warp, lane);
       if (tid == 0) {
         if (blk_a + 4 < num_blocks) ahead_a = wide64_block_pages(p, maps, u, blk_a + 4);
         if (blk_b + 4 < num_blocks) ahead_b = wide64_block_pages(p, maps, u, blk_b + 4);
@@ -453,7 +455,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
         e4m3_load_alpha(al, base, parity, 1, t4);
         e4m3_rescale(o, al);
       }
-      e4m3_pv(o, a8, has_b ? half_panels(1) : q_panels, p1, warp, lane);
+      e4m3_pv(o, a8, half_panels(has_b ? 1 : 0), p1, warp, lane);  // (as WG0's: 0 times block A's)
       handoff_wait(W::kP0Ready, base, parity);
       uint32_t a8b[8][4];
       e4m3_pv(o, a8b, half_panels(0), p0, warp, lane);

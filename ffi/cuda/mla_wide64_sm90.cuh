@@ -669,9 +669,11 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       if (b_partial) wide64_zero_rows<0>(kb1, last_rows, tid);
       handoff_wait(W::kP1Ready, base, parity);
       JAX_MLA_TRACE_AT(pair + 1, 7);
-      // Without a block B, WG1 stored P_B = 0 and this adds 0 times the query panels.
+      // Without a block B, WG1 stored P_B = 0 and this adds 0 times block A's half (already multiplied,
+      // its rows past the range zeroed). Not the query panels: a NaN or inf query element times 0 made
+      // its column NaN in every row of the tile (tests/test_attention.py's NaN test on pages of 16).
       wgmma_fence();
-      wide64_pv_shared_p<MT, 0>(o, base + W::P1_OFF, has_b ? kb1 : q_panels);
+      wide64_pv_shared_p<MT, 0>(o, base + W::P1_OFF, has_b ? kb1 : kb0);
       wgmma_commit();
       if (kGather || tid == 0) {  // the next pair's refill ids, while the S below waits for its tiles
         if (blk_a + 4 < num_blocks) ahead_a = block_pages(blk_a + 4);
@@ -753,11 +755,13 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       JAX_MLA_TRACE_AT(pair + 1, 3);
       wide_rescale<true>(o, alpha_r);
       if (b_partial) wide64_zero_rows<1>(kb1, last_rows, tid);
+      // A partial block A is the unit's last (no block B): its rows past the range are zeroed before
+      // P_B V_B, which then adds 0 times block A's half (see WG0's).
+      if (a_partial) wide64_zero_rows<1>(kb0, last_rows, tid);
       wgmma_fence();
-      wide64_pv<MT, 1>(o, pb, has_b ? kb1 : q_panels);
+      wide64_pv<MT, 1>(o, pb, has_b ? kb1 : kb0);
       wgmma_commit();
       JAX_MLA_TRACE_AT(pair + 1, 4);
-      if (a_partial) wide64_zero_rows<1>(kb0, last_rows, tid);
       handoff_wait(W::kP0Ready, base, parity);
       JAX_MLA_TRACE_AT(pair + 1, 5);
       wide64_pv_shared_p<MT, 1>(o, base + W::P0_OFF, kb0);

@@ -1,6 +1,7 @@
-// The wide body of the sm_90a kernel (mla_sm90_kernel.cuh): units of more than 16 query rows
-// (rows = tokens x heads of one request: 32-128 heads, or 16 heads x 2-4 tokens
-// of MTP / speculative verify) take this warp-specialised body built on wgmma;
+// The producer / two-consumer wide body of the sm_90a kernel (mla_sm90_kernel.cuh, "v5b"): units of
+// more than 16 query rows (rows = tokens x heads of one request: 32-128 heads, or 16 heads x 2-4 tokens
+// of MTP / speculative verify) on an fp8 ckv below 64 heads or on pages under 32 keys take this
+// warp-specialised body built on wgmma (a 16-bit cache's take mla_wide64_sm90.cuh at every page size);
 // units of at most 16 rows take the narrow body (mla_narrow_kernel.cuh) on the
 // first two warpgroups. With an fp8 ckv the wide body's producer converts the keys
 // to fp16 in the ring (wide_producer_fp8) and the consumers multiply the latent part

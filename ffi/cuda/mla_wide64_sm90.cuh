@@ -216,7 +216,7 @@ __device__ __forceinline__ void wide64_load_raw(const KeyTensorMaps& maps, uint3
 // dims 0-255) and half 1 (tiles 4-7: dims 256-511) are each 512 consecutive bytes of a key's row, so
 // one warp instruction copies one key's half whole (lane l: its chunk l), whole 128-byte lines; the
 // rope tile goes four keys an instruction. (Two lanes a key, each of a tile's 128 bytes in 32-byte
-// pieces from four instructions, ran 1.6-2.2x slower than the v5b producer body: NOTES.md.) Each
+// pieces from four instructions, ran 1.03-1.58x slower than the v5b producer body: NOTES.md.) Each
 // thread arrives on a half's tile barriers once its copies land (noinc: 128 arrivals a tile). Keys past
 // the range or on a page id outside the cache are zero-filled and masked key by key (keymask_addr,
 // written by the warpgroup that gathers half 0 and published on tile 0's barrier by lane 0 of each

@@ -100,12 +100,13 @@ struct Wide64Sm90 {
   static __device__ __forceinline__ float* stat(uint32_t base, int which, int row) {
     return reinterpret_cast<float*>(__cvta_shared_to_generic(base + STATS_OFF + (which * ROWS + row) * 4));
   }
-  // Block n lives in buffer n % 2 for the (n / 2)-th time.
+  // Block n lives in buffer n % 2 for the (n / 2)-th time: its mask slot (buffer, use parity).
+  static __device__ __forceinline__ constexpr int mask_slot(int blk) { return (blk & 1) * 2 + ((blk >> 1) & 1); }
   static __device__ __forceinline__ uint32_t mask_addr(uint32_t base, int blk) {
-    return base + MASK_OFF + ((blk & 1) * 2 + ((blk >> 1) & 1)) * 4;
+    return base + MASK_OFF + mask_slot(blk) * 4;
   }
   static __device__ __forceinline__ uint32_t keymask_addr(uint32_t base, int blk) {
-    return base + KEYMASK_OFF + ((blk & 1) * 2 + ((blk >> 1) & 1)) * 8;
+    return base + KEYMASK_OFF + mask_slot(blk) * 8;
   }
   static_assert(SMEM_BYTES <= 227 * 1024, "one block per SM must fit");
   static_assert(TILE % 1024 == 0 && QPANEL % 1024 == 0 && K_OFF % 1024 == 0 && P0_OFF % 1024 == 0,
@@ -518,11 +519,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {
       if (blk >= num_blocks) break;
-      if constexpr (HALF == 0) {
-        wide64_gather_half<0>(p, u, base, blk, blk, first[blk], tid);
-      } else {
-        wide64_gather_half<1>(p, u, base, blk, blk, first[blk], tid);
-      }
+      wide64_gather_half<HALF>(p, u, base, blk, blk, first[blk], tid);  // warpgroup w gathers half w
     }
   } else if (tid == 0 && kFp8) {  // block HALF whole: mask, raw latent, rope
     if (HALF < num_blocks) {

@@ -224,21 +224,6 @@ __device__ __forceinline__ void wide64_load_raw(const KeyTensorMaps& maps, uint3
 // warp: 4 more arrivals). The S warpgroup fences for the async proxy after each wait (wide64_scores).
 // Cache rows are int: a cache of 2^31 rows would be 2 TiB of latent.
 
-// -DJAX_MLA_GATHER_TILE_ARRIVALS (an experiment, not yet measured): a lane arrives only on the tile its
-// latent copies land in, right after them, and the rope copies come after that (32 arrivals a latent
-// tile, 36 on tile 0, 128 on the rope tile), so tiles complete one by one as TMA boxes do; by default
-// every thread arrives on all of its half's tiles after all its copies, so a half completes at once and
-// S on its first tile waits for the other three too.
-#ifdef JAX_MLA_GATHER_TILE_ARRIVALS
-constexpr bool kGatherTileArrivals = true;
-#else
-constexpr bool kGatherTileArrivals = false;
-#endif
-// Arrivals that complete tile t of a gathered block (wide64_gather_half).
-__device__ __forceinline__ constexpr int wide64_gather_arrivals(int t) {
-  return kGatherTileArrivals ? (t == Wide64Sm90::ROPE_TILE ? 128 : t == 0 ? 36 : 32) : (t == 0 ? 132 : 128);
-}
-
 // The page id lane tid % 16 of warp tid / 32 holds for block blk (key 16 warp + lane % 16); -1 past
 // the range.
 __device__ __forceinline__ Wide64Pages wide64_key_page(const Problem& p, const Unit& u, int blk, int tid) {
@@ -273,8 +258,6 @@ __device__ __forceinline__ void wide64_gather_half(const Problem& p, const Unit&
     cp_async16_hint(kbuf + t * W::TILE + kl * 128 + ((c ^ (kl & 7)) << 4), ckv + (size_t)max(rj, 0) * (2 * kDimCkv),
                     rj >= 0 ? 16 : 0, pol);
   }
-  // (an arrival waits for every copy the thread issued before it)
-  if constexpr (kGatherTileArrivals) mbar_arrive_on_cp_async(W::full_bar(base, buf, t));
   if constexpr (HALF == 1) {  // the rope tile: four keys an instruction
     const char* kpe = static_cast<const char*>(p.kpe) + c * 16;
 #pragma unroll
@@ -284,12 +267,8 @@ __device__ __forceinline__ void wide64_gather_half(const Problem& p, const Unit&
                       kpe + (size_t)max(rj, 0) * (2 * kDimKpe), rj >= 0 ? 16 : 0, pol);
     }
   }
-  if constexpr (kGatherTileArrivals) {
-    if constexpr (HALF == 1) mbar_arrive_on_cp_async(W::full_bar(base, buf, W::ROPE_TILE));
-  } else {
 #pragma unroll
-    for (int tt = 4 * HALF; tt < (HALF ? W::TILES : 4); ++tt) mbar_arrive_on_cp_async(W::full_bar(base, buf, tt));
-  }
+  for (int tt = 4 * HALF; tt < (HALF ? W::TILES : 4); ++tt) mbar_arrive_on_cp_async(W::full_bar(base, buf, tt));
   if constexpr (HALF == 0) {
     if (lane == 0) mbar_arrive(W::full_bar(base, buf, 0));  // publishes the warp's mask bits
   }
@@ -860,7 +839,7 @@ __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTe
     // A tile's fill: one arrival with its bytes (TMA), or each gathering thread's when its copies land
     // (kGather; tile 0 also one from each warp that wrote mask bits).
     for (int b = 0; b < 2; ++b)
-      for (int t = 0; t < W::TILES; ++t) mbar_init(W::full_bar(base, b, t), kGather ? wide64_gather_arrivals(t) : 1);
+      for (int t = 0; t < W::TILES; ++t) mbar_init(W::full_bar(base, b, t), kGather ? (t == 0 ? 132 : 128) : 1);
     for (int h = 0; h < 4; ++h) mbar_init(W::handoff_bar(base, h), 128);
     if constexpr (kCache == kCacheFp8Ckv) {
       for (int b = 0; b < 2; ++b) mbar_init(W::free_bar(base, b), 128);

@@ -13,7 +13,8 @@ Tags:
   ``sweep``    the CUDA correctness sweep (``tests/test_arg_specs.py``, marked ``gpu``);
   ``small``    the short correctness set: compute-sanitizer's cases, and run on every backend in CI;
   ``fp8``      fp8-cache benchmark shapes, timed beside the bf16 cache of the same shape;
-  ``pages``    wide units on pages under 32 keys (blocks gathered by cp.async), which the driver times.
+  ``pages``    wide units on pages under 32 keys (blocks gathered by cp.async, or TMA boxes of one page on
+               pages of 8-16 keys), which the driver times.
 
 A length is an int (every request), a tuple (one per request) or a `Uniform` draw per request.
 """
@@ -287,6 +288,13 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(24, 1, (1, 1, 1), (300, 45, 2), dtype="float16", bad_pages=True, split=True,
             tags=_tags("small", "sweep")),
     ArgSpec(16, 128, (2, 2, 1), (900, 130, 257), split=True, tags=_tags("small", "sweep")),
+    # (after it) the 64-key body's blocks as boxes of one page (pages of 8 and 16 keys): 64 heads on pages
+    # of 8, split, page ids outside the cache, partial last blocks; 128 heads (two head blocks), causal
+    # q_len 2, on pages of 16, fp16, long unsplit ranges ending in a partial block, a bad page mid-range
+    ArgSpec(64, 8, (1, 2, 1), (700, 300, 45), bad_pages=True, split=True, tags=_tags("small", "sweep")),
+    ArgSpec(128, 16, (2, 1), (900, 333), dtype="float16", bad_pages=True, whole=True, tags=_tags("small", "sweep")),
+    # ... and timed: 128 heads on pages of 16 keys
+    ArgSpec(128, 16, 1, 4096, batch=128, tags=_tags("extra", "pages")),
 )
 
 

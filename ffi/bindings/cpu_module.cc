@@ -42,8 +42,8 @@ nb::dict build_info() {
     if (JAX_MLA_CUDA_SM90A) {
       bodies.append("wgmma warp-specialised sm_90a kernel (compute capability 9.0)");
       // Units of more than 16 rows on a 16-bit cache, every page size.
-      bodies.append("16-bit wide units: 64-key body, blocks by TMA on pages of 32+ keys, gathered by cp.async "
-                    "on smaller pages (sm_90a)");
+      bodies.append("16-bit wide units: 64-key body, blocks by TMA on pages of 32+ keys, as TMA boxes of a page "
+                    "on pages of 8-16 keys, gathered by cp.async on smaller pages (sm_90a)");
       // Units of at most 16 rows on an e4m3 ckv (CMake option JAX_MLA_NARROW_FP8_MMA_SYNC picks).
       bodies.append(JAX_MLA_CUDA_NARROW_FP8_MMA_SYNC ? "fp8 narrow units: mma.sync body (sm_90a)"
                                                      : "fp8 narrow units: transposed e4m3 wgmma body (sm_90a)");

@@ -130,7 +130,8 @@ struct KeyTensorMaps {
   CUtensorMap ckv;
   CUtensorMap kpe;
   int enabled;
-  int box_rows;  // keys per box: WideSm90::BK, or 64 for the 64-key body on pages of 64 keys or more
+  int box_rows;  // keys per box: WideSm90::BK, 64 for the 64-key body on pages of 64 keys or more, or a
+                 // page of 8-16 keys for its gathering instance
 };
 
 // The tensor row a box of keys starts at: `key`'s row of `page` where the box may be read, else `box`

@@ -112,7 +112,8 @@ inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
 // described as bytes in boxes of 128 (one 128-byte swizzled row of raw e4m3 per key,
 // wide_producer_fp8); kpe and a ckv of the queries' type in boxes of 64 dims (128 bytes). A box
 // is box_rows keys (at most a page): the producer body's 32-key blocks (and the fp8 narrow body's
-// halves), or the 64-key body's blocks in one box on pages of 64 keys or more (half the copies).
+// halves), the 64-key body's blocks in one box on pages of 64 keys or more (half the copies), or a
+// page of 8-16 keys for that body's gathering instance.
 // L2 promotion: an fp8 ckv's box rows are 128 bytes of a 512-byte key row, and 256-byte promotion
 // made the fp8 narrow body's boxes ~6% slower from DRAM than its cp.async gathers, 128 bytes (a box
 // row) or none as fast (ffi/cuda/NOTES.md, "TMA for the fp8 narrow producer"): an fp8 cache's maps
@@ -197,7 +198,18 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
           // producer body such units ran at 0.70-0.82x of FlashInfer's fa3 (128 x 4096, 128 heads on
           // pages of one key, 64 heads on pages of 16, 16 heads x 2 tokens on pages of one key;
           // ffi/cuda/NOTES.md, "the 64-key body on small pages").
+          // On pages of 8 or 16 keys its blocks come as boxes of one page instead (TMA, issued by a few
+          // lanes; maps of that box; mla_wide64_sm90.cuh, wide64_gather_half): 8-10% faster than the
+          // gathers at 64 and 128 heads on pages of 16. An instance of its own (kPageBoxes), so that the
+          // cp.async instance's code is the one measured without the boxes' branch (NOTES.md,
+          // "twenty-fifth session").
           if constexpr (kCache == kCacheAsQuery) {
+#ifndef JAX_MLA_GATHER_NO_BOXES  // (an A/B switch: pages of 8-16 keys gathered by cp.async, as before)
+            if (p.page_size >= Wide64Sm90::MIN_PAGE_BOX && p.page_size < WideSm90::BK) {
+              return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true, true>>(
+                  blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream, p, key_tensor_maps<T, kCache>(p, p.page_size));
+            }
+#endif
             return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true>>(
                 blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream, p, maps);
           }

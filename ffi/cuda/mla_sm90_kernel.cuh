@@ -3,7 +3,8 @@
 // wgmma body. Instances per cache: kWide64 (256 threads; a 16-bit cache at any head count and page
 // size, an fp8 ckv with 64 heads or more on pages of 32+ keys, mla_launch.cuh) holds the
 // two-warpgroup body of 64-key blocks (mla_wide64_sm90.cuh), its blocks by TMA or, with kGather (a
-// 16-bit cache on pages of fewer than 32 keys), by cp.async; the other (384 threads: an fp8 ckv below
+// 16-bit cache on pages of fewer than 32 keys), by cp.async, or with kPageBoxes too (pages of 8 or 16
+// keys) as TMA boxes of one page; the other (384 threads: an fp8 ckv below
 // 64 heads or on pages under 32 keys, an fp8 kpe) the producer / two-consumer body
 // (mla_wide_sm90.cuh). Each instance holds only its own wide body, so that ptxas makes of one what it
 // would alone. An fp8 kpe takes the portable wide body (mla_attention_kernel.cuh).
@@ -29,7 +30,8 @@ static_assert(kSm90SmemBytes <= 227 * 1024, "one block per SM must fit");
 // no producer warpgroup: 256 threads, 255 registers each from the start.
 template <bool kWide64>
 constexpr int sm90_kernel_threads() { return kWide64 ? Wide64Sm90::kThreads : WideSm90::kThreads; }
-template <typename T, int kCache = kCacheAsQuery, bool kWide64 = false, bool kE4m3 = false, bool kGather = false>
+template <typename T, int kCache = kCacheAsQuery, bool kWide64 = false, bool kE4m3 = false, bool kGather = false,
+          bool kPageBoxes = false>
 __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attention_sm90_kernel(const Problem p, const __grid_constant__ KeyTensorMaps maps) {
   extern __shared__ __align__(16) char smem[];  // aligned to 1024 below
   allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
@@ -49,6 +51,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   static_assert(!kWide64 || kCache != kCacheFp8CkvKpe, "the 64-key body reads a 16-bit kpe");
   static_assert(!kE4m3 || (kWide64 && kCache == kCacheFp8Ckv), "e4m3 products: the 64-key body, an fp8 ckv");
   static_assert(!kGather || (kWide64 && !kE4m3 && kCache == kCacheAsQuery), "gathered blocks: a 16-bit cache");
+  static_assert(!kPageBoxes || kGather, "boxes of a page: the gathering instance's");
   // A unit start off a box boundary (32 or 64 keys) cannot take the 64-key body's TMA boxes; this
   // library's planner splits at multiples of 64, so only another plan would send one here: the
   // portable body. Gathered blocks start anywhere.
@@ -98,7 +101,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   if constexpr (kWide64) {
     // The two-warpgroup body of 64-key blocks.
     finish_unit(p, u);
-    attend_unit_wide64<T, kCache, kE4m3, kGather>(p, maps, u, h0, hb, base);
+    attend_unit_wide64<T, kCache, kE4m3, kGather, kPageBoxes>(p, maps, u, h0, hb, base);
   } else if constexpr (kWgmmaCache) {
     using W = WideSm90;
     constexpr bool kFp8 = kCache == kCacheFp8Ckv;

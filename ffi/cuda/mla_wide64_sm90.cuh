@@ -54,6 +54,9 @@ struct Wide64Sm90 {
   static constexpr int ROPE_TILE = 8;
   static constexpr int BUF = TILES * TILE;
   static constexpr int BOX = WideSm90::BK;      // keys per TMA box (the tensor maps' box: 32 rows)
+  // The fewest keys a box of one page may hold in the gathering instance: it then lands at a multiple
+  // of 1024 bytes of its tile, where the 128-byte swizzle is the whole block's.
+  static constexpr int MIN_PAGE_BOX = 1024 / 128;
   static constexpr int SACC = ROWS * BK / 128;  // S accumulators per thread
   static constexpr int KSTEPS = BK / 16;        // k16 steps of P V per block
   static constexpr int Q_OFF = 0;
@@ -223,6 +226,25 @@ __device__ __forceinline__ void wide64_load_raw(const KeyTensorMaps& maps, uint3
 // written by the warpgroup that gathers half 0 and published on tile 0's barrier by lane 0 of each
 // warp: 4 more arrivals). The S warpgroup fences for the async proxy after each wait (wide64_scores).
 // Cache rows are int: a cache of 2^31 rows would be 2 TiB of latent.
+//
+// Pages of 8 or 16 keys (the kPageBoxes instance: maps made with a box of one page, mla_launch.cuh) and a
+// unit start on a page boundary take boxes instead: lane j < 16 of warp w with j a multiple of the box
+// issues the box of keys 16 w + j .. of each tile of the half, its bytes expected on the tile's barrier by
+// its own arrival; the other threads arrive plainly (128 arrivals a tile either way). A box lands at a
+// multiple of 1024 bytes in its tile, so its 128-byte swizzle is the whole block's. The cp.async gathers
+// cost each consumer warp ~600-750 cycles a half (~1,200 with the rope tile) of a pair's ~7,800 at 128
+// heads on pages of one key, against 60-120 for the warps that do not issue the TMA path's boxes; the boxes
+// took 8-10% off 64 and 128 heads on pages of 16 (NOTES.md, "twenty-fifth session"). A box on a bad page
+// id or wholly past the range reads rows before the tensor (zeros); one whose page holds keys past the
+// range reads them, masked, and the partial block's V rows are zeroed before the PVs, as on the TMA path.
+
+// Whether unit u's blocks can come as TMA boxes: maps made and a start on a box boundary (every box in
+// one page; the planner splits at multiples of 64). In the TMA instance (pages of 32+ keys) a unit
+// that cannot takes the portable body; in the kPageBoxes one (pages of 8 or 16 keys: boxes of a page)
+// its blocks come by cp.async.
+__device__ __forceinline__ bool wide64_takes(const KeyTensorMaps& maps, const Unit& u) {
+  return maps.enabled && (u.kv_begin & (maps.box_rows - 1)) == 0;
+}
 
 // The page id lane tid % 16 of warp tid / 32 holds for block blk (key 16 warp + lane % 16); -1 past
 // the range.
@@ -236,9 +258,9 @@ __device__ __forceinline__ Wide64Pages wide64_key_page(const Problem& p, const U
 
 // Half HALF of block blk into buffer `buf` by the warpgroup's 128 threads (g: wide64_key_page); half 1
 // with the rope tile, half 0 with the block's key mask.
-template <int HALF>
-__device__ __forceinline__ void wide64_gather_half(const Problem& p, const Unit& u, uint32_t base, int buf, int blk,
-                                                   const Wide64Pages& g, int tid) {
+template <int HALF, bool kPageBoxes>
+__device__ __forceinline__ void wide64_gather_half(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
+                                                   uint32_t base, int buf, int blk, const Wide64Pages& g, int tid) {
   using W = Wide64Sm90;
   const int warp = tid >> 5, lane = tid & 31;
   const int key = u.kv_begin + blk * W::BK + 16 * warp + (lane & 15);
@@ -250,6 +272,27 @@ __device__ __forceinline__ void wide64_gather_half(const Problem& p, const Unit&
   if constexpr (HALF == 0) {
     const uint32_t bits = __ballot_sync(0xffffffffu, row >= 0) & 0xffffu;  // lanes 0-15: the warp's keys
     if (lane == 0) st_shared_u16(W::keymask_addr(base, blk) + 2 * warp, bits);
+  }
+  if (kPageBoxes && wide64_takes(maps, u)) {
+    const int box = maps.box_rows;
+    const bool issues = lane < 16 && (lane & (box - 1)) == 0;
+    const int box_row = row >= 0 ? row : -box;  // its first key's row (a page's first), else zeros
+    const uint32_t dst = kbuf + (16 * warp + lane) * 128;
+#pragma unroll
+    for (int tt = 4 * HALF; tt < (HALF ? W::TILES : 4); ++tt) {
+      const uint32_t bar = W::full_bar(base, buf, tt);
+      if (issues) {
+        mbar_arrive_expect_tx(bar, box * 128);
+        tma_load_2d_hint(dst + tt * W::TILE, tt == W::ROPE_TILE ? (const void*)&maps.kpe : (const void*)&maps.ckv,
+                         tt == W::ROPE_TILE ? 0 : 64 * tt, box_row, bar, pol);
+      } else {
+        mbar_arrive(bar);
+      }
+    }
+    if constexpr (HALF == 0) {
+      if (lane == 0) mbar_arrive(W::full_bar(base, buf, 0));  // publishes the warp's mask bits
+    }
+    return;
   }
   const int t = 4 * HALF + (lane >> 3), c = lane & 7;  // this lane's tile and chunk of a half row
 #pragma unroll
@@ -443,7 +486,7 @@ __device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC],
 // queries brought into fp16's range per row as in v5b (wide_prepare_queries_fp8).
 // kGather: a 16-bit cache on pages of fewer than 32 keys; the blocks come by cp.async
 // (wide64_gather_half), issued where the TMA path issues its boxes, by the whole warpgroup.
-template <typename T, int kCache, int HALF, bool kGather = false>
+template <typename T, int kCache, int HALF, bool kGather = false, bool kPageBoxes = false>
 __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                  int hb, uint32_t base) {
   using W = Wide64Sm90;
@@ -498,7 +541,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {
       if (blk >= num_blocks) break;
-      wide64_gather_half<HALF>(p, u, base, blk, blk, first[blk], tid);  // warpgroup w gathers half w
+      wide64_gather_half<HALF, kPageBoxes>(p, maps, u, base, blk, blk, first[blk], tid);  // warpgroup w gathers half w
     }
   } else if (tid == 0 && kFp8) {  // block HALF whole: mask, raw latent, rope
     if (HALF < num_blocks) {
@@ -630,7 +673,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       fence_fragments(pa);
       JAX_MLA_TRACE_AT(pair + 1, 3);
       if constexpr (kGather) {  // block A's tiles 0-3 are read: block A + 2's go in
-        if (next_a) wide64_gather_half<0>(p, u, base, 0, blk_a + 2, pages_a, tid);
+        if (next_a) wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 0, blk_a + 2, pages_a, tid);
       } else if (tid == 0 && next_a) {  // block A's tiles 0-3 are read: block A + 2's go in (fp8: its raw latent)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
         st_shared_u32(W::mask_addr(base, blk_a + 2), b.ok);
@@ -704,7 +747,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
         JAX_MLA_TRACE_AT(pair + 1, 9);
         // Block B's tiles 0-3 are read (WG1's S before its signal, our PV now).
         if constexpr (kGather) {
-          if (next_b) wide64_gather_half<0>(p, u, base, 1, blk_b + 2, pages_b, tid);
+          if (next_b) wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 1, blk_b + 2, pages_b, tid);
         } else if (tid == 0 && next_b) {
           const Wide64Rows b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);
           st_shared_u32(W::mask_addr(base, blk_b + 2), b.ok);
@@ -767,7 +810,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       fence_fragments(pb);
       JAX_MLA_TRACE_AT(pair + 1, 6);
       if constexpr (kGather) {  // block B's tiles 4-8 are read
-        if (next_b) wide64_gather_half<1>(p, u, base, 1, blk_b + 2, pages_b, tid);
+        if (next_b) wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 1, blk_b + 2, pages_b, tid);
       } else if (tid == 0 && next_b) {  // block B's tiles 4-8 are read (fp8: block B + 2 whole goes in)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);
         if constexpr (kFp8) {
@@ -784,7 +827,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       }
       JAX_MLA_TRACE_AT(pair + 1, 8);
       if constexpr (kGather) {  // block A's tiles 4-8 are read
-        if (next_a) wide64_gather_half<1>(p, u, base, 0, blk_a + 2, pages_a, tid);
+        if (next_a) wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 0, blk_a + 2, pages_a, tid);
       } else if (tid == 0 && next_a) {  // block A's tiles 4-8 are read (fp8: its rope tile; the raw latent is in)
         wide64_load_tiles<kFp8 ? 8 : 4, 9>(maps, base, 0, wide64_block_rows(p, maps, u, blk_a + 2, pages_a));
       }
@@ -818,12 +861,6 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   JAX_MLA_TRACE_END();
 }
 
-// Whether a unit of a 16-bit cache takes this body: TMA maps made (page size >= 32) and a start
-// on a box boundary (every box in one page; the planner splits at multiples of 64).
-__device__ __forceinline__ bool wide64_takes(const KeyTensorMaps& maps, const Unit& u) {
-  return maps.enabled && (u.kv_begin & (maps.box_rows - 1)) == 0;
-}
-
 // The lossy e4m3 x e4m3 body for an fp8 ckv (mla_wide64_e4m3_sm90.cuh, included below).
 template <typename T, int HALF>
 __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
@@ -831,7 +868,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
 
 // The body: barriers, then the two warpgroups (threads 0-255; the caller has sent the rest away).
 // kE4m3: an fp8 ckv's units multiply on e4m3 (Problem::fp8_products; its own kernel instance).
-template <typename T, int kCache, bool kE4m3 = false, bool kGather = false>
+template <typename T, int kCache, bool kE4m3 = false, bool kGather = false, bool kPageBoxes = false>
 __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                    int hb, uint32_t base) {
   using W = Wide64Sm90;
@@ -857,9 +894,9 @@ __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTe
     return;
   }
   if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 0) {
-    wide64_warpgroup<T, kCache, 0, kGather>(p, maps, u, h0, hb, base);
+    wide64_warpgroup<T, kCache, 0, kGather, kPageBoxes>(p, maps, u, h0, hb, base);
   } else {
-    wide64_warpgroup<T, kCache, 1, kGather>(p, maps, u, h0, hb, base);
+    wide64_warpgroup<T, kCache, 1, kGather, kPageBoxes>(p, maps, u, h0, hb, base);
   }
 }
 

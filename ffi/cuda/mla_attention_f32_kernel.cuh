@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) mla_attention_f32_kernel(const Probl
     for (int key = u.kv_begin; key < limit; ++key) {
       const int page = __ldg(pt_row + (key >> p.log2_page_size));
       if (!page_in_cache(p, page)) continue;  // skipped page: its keys are masked
-      const size_t slot = (size_t)page * p.page_size + (key & (p.page_size - 1));
+      const size_t slot = cache_row<size_t>(page, key, p.page_size);
       float v[16];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {

@@ -65,6 +65,13 @@ struct Problem {
 // otherwise they are masked (a skipped or bad page id never reaches an address).
 __device__ __forceinline__ bool page_in_cache(const Problem& p, int page) { return page >= 0 && page < p.num_pages; }
 
+// The cache row (page x page_size + offset in the page) of `key` on `page`, in R: size_t for an address,
+// int for a TMA coordinate, uint32_t where a row travels through a shuffle. The page size is a power of two.
+template <typename R>
+__device__ __forceinline__ R cache_row(int page, int key, int page_size) {
+  return (R)page * page_size + (key & (page_size - 1));
+}
+
 // The sizes and derived constants of a Problem, from the operands' shapes: one
 // definition for the FFI handler and the standalone driver. Counts past int32
 // are clamped (the handler refuses the ones it cannot index); an empty cache or

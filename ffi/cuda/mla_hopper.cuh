@@ -137,7 +137,7 @@ struct KeyTensorMaps {
 // The tensor row a box of keys starts at: `key`'s row of `page` where the box may be read, else `box`
 // rows before the tensor (a bad page id, or a box wholly past the range), which TMA fills with zeros.
 __device__ __forceinline__ int tma_box_row(bool ok, int page, int key, int page_size, int box) {
-  return ok ? page * page_size + (key & (page_size - 1)) : -box;
+  return ok ? cache_row<int>(page, key, page_size) : -box;
 }
 
 // Panels of 64 keys x 128 bytes (a TMA box row each, any 128-byte swizzle: a row's chunks stay in

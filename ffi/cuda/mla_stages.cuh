@@ -73,7 +73,7 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
     const int key = kv_begin + blk * BK + kl;
     const int page = pages[kl];
     const bool ok = key < u.range_end && page_in_cache(p, page);
-    const size_t slot = ok ? (size_t)page * p.page_size + (key & (p.page_size - 1)) : 0;
+    const size_t slot = ok ? cache_row<size_t>(page, key, p.page_size) : 0;
     gather_key_row<kCache>([&](int c) { return chunk(kl, c); }, ckv + slot * F::kCkvBytes, kpe + slot * F::kKpeBytes,
                            sub, ok ? 16 : 0);
     if (sub == 0) key_ok[stage * BK + kl] = ok;

@@ -264,7 +264,7 @@ __device__ __forceinline__ void wide64_gather_half(const Problem& p, const KeyTe
   using W = Wide64Sm90;
   const int warp = tid >> 5, lane = tid & 31;
   const int key = u.kv_begin + blk * W::BK + 16 * warp + (lane & 15);
-  const int row = key < u.range_end && page_in_cache(p, g.page[0]) ? g.page[0] * p.page_size + (key & (p.page_size - 1))
+  const int row = key < u.range_end && page_in_cache(p, g.page[0]) ? cache_row<int>(g.page[0], key, p.page_size)
                                                                     : -1;  // -1: zero-filled, masked
   const char* ckv = static_cast<const char*>(p.ckv) + HALF * 512 + lane * 16;
   const uint64_t pol = l2_evict_first_policy();  // as the TMA boxes

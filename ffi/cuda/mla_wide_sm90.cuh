@@ -191,7 +191,7 @@ __device__ __forceinline__ void wide_load_keys(const Problem& p, const KeyTensor
     const int tma_row = __shfl_sync(0xffffffffu, page, 0) * p.page_size + in_page;
     uint32_t row = 0u;
     if constexpr (kLaneRow) {
-      row = ok ? (uint32_t)page * p.page_size + ((key_base + key_in_block) & (p.page_size - 1)) : 0u;
+      row = ok ? cache_row<uint32_t>(page, key_base + key_in_block, p.page_size) : 0u;
     }
     auto slot_of = [&](int j) -> size_t {
       if constexpr (kLaneRow) {
@@ -199,7 +199,7 @@ __device__ __forceinline__ void wide_load_keys(const Problem& p, const KeyTensor
       } else {
         const int pg = __shfl_sync(0xffffffffu, page, j);
         const int key = key_base + warp + WARPS * j;
-        return ((ok_bits >> j) & 1) ? (size_t)pg * p.page_size + (key & (p.page_size - 1)) : 0;
+        return ((ok_bits >> j) & 1) ? cache_row<size_t>(pg, key, p.page_size) : 0;
       }
     };
 #pragma unroll

@@ -217,10 +217,11 @@ __device__ __forceinline__ void wide64_load_raw(const KeyTensorMaps& maps, uint3
 // tiles the boxes fill, issued by the warpgroup that would have issued the boxes (every thread
 // instead of one; the refill points and the order are the TMA path's). Warp w of the warpgroup takes
 // keys 16 w .. 16 w + 15 of the block, lane j < 16 holding key 16 w + j's page id. Half 0 (tiles 0-3:
-// dims 0-255) and half 1 (tiles 4-7: dims 256-511) are each 512 consecutive bytes of a key's row, so
-// one warp instruction copies one key's half whole (lane l: its chunk l), whole 128-byte lines; the
-// rope tile goes four keys an instruction. (Two lanes a key, each of a tile's 128 bytes in 32-byte
-// pieces from four instructions, ran 1.03-1.58x slower than the v5b producer body: NOTES.md.) Each
+// dims 0-255) and half 1 (tiles 4-7: dims 256-511) are each 512 consecutive bytes of a key's row; a
+// warp instruction copies a 128-byte line of four keys (lane l: chunk l % 8 of key l / 8 of the four),
+// so a lane shuffles in four rows a half, not sixteen. (Two lanes a key, each of a tile's 128 bytes in
+// 32-byte pieces from four instructions, ran 1.03-1.58x slower than the v5b producer body; a key's
+// half row an instruction, lane l its chunk l, was the landed mapping before this: NOTES.md.) Each
 // thread arrives on a half's tile barriers once its copies land (noinc: 128 arrivals a tile). Keys past
 // the range or on a page id outside the cache are zero-filled and masked key by key (keymask_addr,
 // written by the warpgroup that gathers half 0 and published on tile 0's barrier by lane 0 of each
@@ -266,7 +267,6 @@ __device__ __forceinline__ void wide64_gather_half(const Problem& p, const KeyTe
   const int key = u.kv_begin + blk * W::BK + 16 * warp + (lane & 15);
   const int row = key < u.range_end && page_in_cache(p, g.page[0]) ? cache_row<int>(g.page[0], key, p.page_size)
                                                                     : -1;  // -1: zero-filled, masked
-  const char* ckv = static_cast<const char*>(p.ckv) + HALF * 512 + lane * 16;
   const uint64_t pol = l2_evict_first_policy();  // as the TMA boxes
   const uint32_t kbuf = W::buf_addr(base, buf);
   if constexpr (HALF == 0) {
@@ -289,29 +289,28 @@ __device__ __forceinline__ void wide64_gather_half(const Problem& p, const KeyTe
         mbar_arrive(bar);
       }
     }
-    if constexpr (HALF == 0) {
-      if (lane == 0) mbar_arrive(W::full_bar(base, buf, 0));  // publishes the warp's mask bits
-    }
-    return;
-  }
-  const int t = 4 * HALF + (lane >> 3), c = lane & 7;  // this lane's tile and chunk of a half row
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int kl = 16 * warp + j, rj = __shfl_sync(0xffffffffu, row, j);
-    cp_async16_hint(kbuf + t * W::TILE + kl * 128 + ((c ^ (kl & 7)) << 4), ckv + (size_t)max(rj, 0) * (2 * kDimCkv),
-                    rj >= 0 ? 16 : 0, pol);
-  }
-  if constexpr (HALF == 1) {  // the rope tile: four keys an instruction
-    const char* kpe = static_cast<const char*>(p.kpe) + c * 16;
+  } else {
+    // Four keys an instruction, a whole 128-byte line of each: lane l copies chunk l % 8 of key 4 i + l / 8 of
+    // the warp's sixteen, of each of the half's tiles (and of the rope tile), so that a lane needs the rows
+    // of four keys (four shuffles a half) and each copy's addresses are its key's plus constants.
+    const int c = lane & 7, ks = lane >> 3;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int j = 4 * i + (lane >> 3), kl = 16 * warp + j, rj = __shfl_sync(0xffffffffu, row, j);
-      cp_async16_hint(kbuf + W::ROPE_TILE * W::TILE + kl * 128 + ((c ^ (kl & 7)) << 4),
-                      kpe + (size_t)max(rj, 0) * (2 * kDimKpe), rj >= 0 ? 16 : 0, pol);
-    }
-  }
+      const int j = 4 * i + ks, kl = 16 * warp + j, rj = __shfl_sync(0xffffffffu, row, j);
+      const uint32_t dst = kbuf + kl * 128 + ((c ^ (kl & 7)) << 4);
+      const size_t r = (size_t)max(rj, 0);
+      const char* src = static_cast<const char*>(p.ckv) + r * (2 * kDimCkv) + HALF * 512 + c * 16;
+      const int bytes = rj >= 0 ? 16 : 0;
 #pragma unroll
-  for (int tt = 4 * HALF; tt < (HALF ? W::TILES : 4); ++tt) mbar_arrive_on_cp_async(W::full_bar(base, buf, tt));
+      for (int q = 0; q < 4; ++q) cp_async16_hint(dst + (4 * HALF + q) * W::TILE, src + q * 128, bytes, pol);
+      if constexpr (HALF == 1) {
+        cp_async16_hint(dst + W::ROPE_TILE * W::TILE, static_cast<const char*>(p.kpe) + r * (2 * kDimKpe) + c * 16,
+                        bytes, pol);
+      }
+    }
+#pragma unroll
+    for (int tt = 4 * HALF; tt < (HALF ? W::TILES : 4); ++tt) mbar_arrive_on_cp_async(W::full_bar(base, buf, tt));
+  }
   if constexpr (HALF == 0) {
     if (lane == 0) mbar_arrive(W::full_bar(base, buf, 0));  // publishes the warp's mask bits
   }

@@ -295,6 +295,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(128, 16, (2, 1), (900, 333), dtype="float16", bad_pages=True, whole=True, tags=_tags("small", "sweep")),
     # ... and timed: 128 heads on pages of 16 keys
     ArgSpec(128, 16, 1, 4096, batch=128, tags=_tags("extra", "pages")),
+    # (after it) the gathers of four keys' lines on pages of 4 keys (no box fits): 48 heads (a partial
+    # 64-row tile), causal q_len 3 and 2, page ids outside the cache, split, a range of 2 keys
+    ArgSpec(48, 4, (1, 3, 2), (1000, 37, 2), bad_pages=True, split=True, tags=_tags("small", "sweep")),
 )
 
 

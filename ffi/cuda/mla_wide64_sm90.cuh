@@ -189,16 +189,25 @@ __device__ __forceinline__ void wide64_load_tile(const KeyTensorMaps& maps, uint
   if (maps.box_rows != W::BK) tma_load_2d(dst + W::TILE / 2, map, col, b.row[1], bar);
 }
 
+// Where tile t of a 16-bit cache's block comes from: latent tile t is ckv's dims 64 t .. 64 t + 63, the
+// rope tile kpe's 64 dims (for the whole-block boxes and the boxes of one page alike).
+struct Wide64TileSource {
+  const void* map;
+  int col;
+};
+__device__ __forceinline__ Wide64TileSource wide64_tile_source(const KeyTensorMaps& maps, int t) {
+  return t == Wide64Sm90::ROPE_TILE ? Wide64TileSource{&maps.kpe, 0} : Wide64TileSource{&maps.ckv, 64 * t};
+}
+
 // Tiles [T0, T1) of a block into buffer `buf`, each in its final place (16-bit latent panels of 64
 // dims, the rope tile).
 template <int T0, int T1>
 __device__ __forceinline__ void wide64_load_tiles(const KeyTensorMaps& maps, uint32_t base, int buf,
                                                   const Wide64Rows& b) {
-  using W = Wide64Sm90;
 #pragma unroll
   for (int t = T0; t < T1; ++t) {
-    const void* map = t == W::ROPE_TILE ? (const void*)&maps.kpe : (const void*)&maps.ckv;
-    wide64_load_tile(maps, base, buf, t, map, t == W::ROPE_TILE ? 0 : 64 * t, b);
+    const Wide64TileSource src = wide64_tile_source(maps, t);
+    wide64_load_tile(maps, base, buf, t, src.map, src.col, b);
   }
 }
 
@@ -284,9 +293,9 @@ __device__ __forceinline__ void wide64_gather_half(const Problem& p, const KeyTe
     for (int tt = 4 * HALF; tt < (HALF ? W::TILES : 4); ++tt) {
       const uint32_t bar = W::full_bar(base, buf, tt);
       if (issues) {
+        const Wide64TileSource src = wide64_tile_source(maps, tt);
         mbar_arrive_expect_tx(bar, box * 128);
-        tma_load_2d_hint(dst + tt * W::TILE, tt == W::ROPE_TILE ? (const void*)&maps.kpe : (const void*)&maps.ckv,
-                         tt == W::ROPE_TILE ? 0 : 64 * tt, box_row, bar, pol);
+        tma_load_2d_hint(dst + tt * W::TILE, src.map, src.col, box_row, bar, pol);
       } else {
         mbar_arrive(bar);
       }

@@ -391,11 +391,12 @@ def test_cpu_handler_rejects_bad_operands():
                 page_table=i32(1, 2), kv_lens=i32(1), work=i32(16, 8), merge=i32(16, 4),
                 ckv_scale=jnp.ones((1,), F32), kpe_scale=jnp.ones((1,), F32))
 
-    def call(**override):
+    def call(partial_dtype=None, **override):
         ops = {**good, **override}
         q = ops["q_nope"]
         outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], F32),
-                jax.ShapeDtypeStruct((16, h, q.shape[-1]), F32), jax.ShapeDtypeStruct((16, h), F32))
+                jax.ShapeDtypeStruct((16, h, q.shape[-1]), partial_dtype or q.dtype),  # partials: out's dtype
+                jax.ShapeDtypeStruct((16, h), F32))
         res = jax.ffi.ffi_call(_ffi.ATTENTION_TARGET, outs)(*ops.values(), sm_scale=np.float32(0.1),
                                                              fp8_products=np.int32(0))
         return jax.block_until_ready(res)
@@ -409,6 +410,7 @@ def test_cpu_handler_rejects_bad_operands():
                               (dict(page_table=i32(2)), "rank"),
                               (dict(q_nope=i32(t, h, 64)), "float32, bfloat16 or float16"),
                               (dict(ckv_scale=jnp.ones((2,), F32)), "one float32 each"),
+                              (dict(partial_dtype=BF16), "partial_o workspace"),
                               (dict(ckv=f(p, ps, 64, dt=jnp.float8_e4m3fn), q_nope=f(t, h, 64, dt=BF16),
                                     q_pe=f(t, h, 16, dt=BF16), kpe=f(p, ps, 16, dt=jnp.int8)), "float8_e4m3fn")):
         with pytest.raises(Exception, match=message):

@@ -60,7 +60,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool& pool, ffi::AnyBuffer q_nope, ffi:
                               ffi::Buffer<ffi::S32> merge, ffi::Buffer<ffi::F32> ckv_scale,
                               ffi::Buffer<ffi::F32> kpe_scale, float sm_scale,
                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                              ffi::Result<ffi::Buffer<ffi::F32>> partial_o,
+                              ffi::Result<ffi::AnyBuffer> partial_o,
                               ffi::Result<ffi::Buffer<ffi::F32>> partial_lse) {
   const struct {
     const char* name;
@@ -85,8 +85,8 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool& pool, ffi::AnyBuffer q_nope, ffi:
     case ffi::F16: pb.elem = Elem::kF16; break;
     default: return Mismatch("q_nope must be float32, bfloat16 or float16");
   }
-  for (ffi::DataType t : {q_pe.element_type(), out->element_type()}) {
-    if (t != q_nope.element_type()) return Mismatch("q_pe and out must have q_nope's dtype");
+  for (ffi::DataType t : {q_pe.element_type(), out->element_type(), partial_o->element_type()}) {
+    if (t != q_nope.element_type()) return Mismatch("q_pe, out and the partial_o workspace must have q_nope's dtype");
   }
   pb.elem_bytes = ElemBytes(pb.elem);
   // The caches: q's dtype, or float8_e4m3fn (value = fp8 x scale; the Python side checks the rest).
@@ -151,7 +151,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool& pool, ffi::AnyBuffer q_nope, ffi:
   pb.merge = merge.typed_data();
   pb.out = static_cast<char*>(out->untyped_data());
   pb.lse = lse->typed_data();
-  pb.partial_o = partial_o->typed_data();
+  pb.partial_o = static_cast<char*>(partial_o->untyped_data());
   pb.partial_lse = partial_lse->typed_data();
 
   // Tokens no unit covers (padding) come out as zeros with LSE -inf; workspace
@@ -191,7 +191,7 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool& pool, ffi::AnyBuffer q_nope, ffi:
                   pb.num_heads * pb.d_ckv;
   }
   const int merge_threads = ThreadsFor(pb.num_merge, merge_macs, available);
-  std::vector<std::vector<float>> merge_acc(merge_threads, std::vector<float>(pb.d_ckv));
+  std::vector<std::vector<float>> merge_acc(merge_threads, std::vector<float>(2 * pb.d_ckv));
   ParallelFor(pool, pb.num_merge, merge_threads,
               [&](int64_t m, int tid) { RunMerge(pb, m, merge_acc[tid]); });
   return ffi::Error::Success();
@@ -204,7 +204,7 @@ ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, ffi::AnyBuffer q_nope, ffi::A
                              ffi::Buffer<ffi::S32> merge, ffi::Buffer<ffi::F32> ckv_scale,
                              ffi::Buffer<ffi::F32> kpe_scale, float sm_scale, int32_t fp8_products,
                              ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                             ffi::Result<ffi::Buffer<ffi::F32>> partial_o,
+                             ffi::Result<ffi::AnyBuffer> partial_o,
                              ffi::Result<ffi::Buffer<ffi::F32>> partial_lse) {
   // fp8_products allows e4m3 x e4m3 products where a kernel has them (the CUDA 64-key body); this handler
   // has none and computes every product in float32 either way.
@@ -237,5 +237,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaPagedAttentionCpu, jax_mla::cpu::PagedAttent
                                   .Attr<int32_t>("fp8_products")                   // (no e4m3 products here)
                                   .Ret<xla::ffi::AnyBuffer>()                      // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()          // lse
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()          // partial_o
+                                  .Ret<xla::ffi::AnyBuffer>()                      // partial_o (out's dtype)
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());        // partial_lse

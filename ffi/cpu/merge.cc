@@ -15,7 +15,7 @@
 namespace jax_mla {
 namespace cpu {
 
-void RunMerge(const Problem& pb, int64_t m, std::vector<float>& acc) {
+void RunMerge(const Problem& pb, int64_t m, std::vector<float>& scratch) {
   const int32_t* row = pb.merge + m * kMergeCols;
   const int64_t q_start = row[kMergeQStart], q_len = row[kMergeQLen];
   const int64_t base = row[kMergePartialRow], splits = row[kMergeNumSplits];
@@ -23,6 +23,8 @@ void RunMerge(const Problem& pb, int64_t m, std::vector<float>& acc) {
   if (q_start < 0 || q_start + q_len > pb.num_tokens) return;
   if (base < 0 || base + splits * q_len > pb.num_partial_rows) return;
   const int64_t h_n = pb.num_heads, dc = pb.d_ckv;
+  const auto acc = scratch.begin(), acc_end = acc + dc;  // the merged row's sums
+  float* src = scratch.data() + dc;                      // a split's row, as float
   for (int64_t i = 0; i < q_len; ++i) {
     for (int64_t h = 0; h < h_n; ++h) {
       // Split j of local token i lives at partial row base + j * q_len + i.
@@ -36,14 +38,14 @@ void RunMerge(const Problem& pb, int64_t m, std::vector<float>& acc) {
       const int64_t o = (q_start + i) * h_n + h;
       char* out = pb.out + o * dc * pb.elem_bytes;
       if (nan) {  // a split's row is NaN: so is the merged row
-        std::fill(acc.begin(), acc.end(), std::numeric_limits<float>::quiet_NaN());
-        FromFloat(pb.elem, acc.data(), 1.0f, dc, out);
+        std::fill(acc, acc_end, std::numeric_limits<float>::quiet_NaN());
+        FromFloat(pb.elem, scratch.data(), 1.0f, dc, out);
         pb.lse[o] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(acc, acc_end, 0.0f);
       if (mx == kNegInf) {  // no split saw a key: zeros, never 0/0
-        FromFloat(pb.elem, acc.data(), 1.0f, dc, out);
+        FromFloat(pb.elem, scratch.data(), 1.0f, dc, out);
         pb.lse[o] = kNegInf;
         continue;
       }
@@ -53,10 +55,10 @@ void RunMerge(const Problem& pb, int64_t m, std::vector<float>& acc) {
         const float w = std::exp(pb.partial_lse[p] - mx);
         if (w == 0.0f) continue;  // an empty split: its output row is not needed
         total += w;
-        const float* src = pb.partial_o + p * dc;
+        ToFloat(pb.elem, pb.partial_o + p * dc * pb.elem_bytes, dc, src);
         for (int64_t c = 0; c < dc; ++c) acc[c] += w * src[c];
       }
-      FromFloat(pb.elem, acc.data(), 1.0f / total, dc, out);
+      FromFloat(pb.elem, scratch.data(), 1.0f / total, dc, out);
       pb.lse[o] = mx + std::log(total);
     }
   }

@@ -11,9 +11,10 @@
 namespace jax_mla {
 namespace cpu {
 
-// Merges plan row `m` into out / lse; `acc` is d_ckv floats of per-thread
-// scratch. Rows that point outside the output or workspace are skipped.
-void RunMerge(const Problem& pb, int64_t m, std::vector<float>& acc);
+// Merges plan row `m` into out / lse; `scratch` is 2 d_ckv floats of per-thread
+// scratch (the sums, a split's row). Rows that point outside the output or
+// workspace are skipped.
+void RunMerge(const Problem& pb, int64_t m, std::vector<float>& scratch);
 
 }  // namespace cpu
 }  // namespace jax_mla

@@ -39,7 +39,7 @@ struct Problem {
 
   char* out;          // [T, H, Dc], elem
   float* lse;         // [T, H]
-  float* partial_o;   // [Pp, H, Dc]
+  char* partial_o;    // [Pp, H, Dc], elem (a split's normalised rows, rounded as its output would be)
   float* partial_lse; // [Pp, H]
 
   int64_t Capacity() const { return max_pages * page_size; }

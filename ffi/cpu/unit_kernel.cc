@@ -263,23 +263,17 @@ JAX_MLA_INLINE void RunUnitW(const Problem& pb, const Unit& u, Scratch& sc) {
     }
   }
 
-  // Normalise and write: the final output, or a float32 partial for the merge.
+  // Normalise and write: the final output, or a split's partial rows (the same type) for the merge.
   for (int64_t r = 0; r < rows; ++r) {
     const float sum = sc.row_sum[r];
     const bool any = !(sum == 0.0f);            // keys seen, or NaN (which stays NaN)
     const float inv = any ? 1.0f / sum : 0.0f;  // no key: zeros, never 0/0
     const float lse = any ? sc.row_max[r] + std::log(sum) : kNegInf;
     const float* acc = sc.acc.data() + r * dcp;
-    if (u.partial_row < 0) {
-      const int64_t o = u.q_start * h_n + r;
-      FromFloat(pb.elem, acc, inv, dc, pb.out + o * dc * pb.elem_bytes);
-      pb.lse[o] = lse;
-    } else {
-      const int64_t o = u.partial_row * h_n + r;
-      float* dst = pb.partial_o + o * dc;
-      for (int64_t c = 0; c < dc; ++c) dst[c] = acc[c] * inv;
-      pb.partial_lse[o] = lse;
-    }
+    const bool split = u.partial_row >= 0;
+    const int64_t o = (split ? u.partial_row : u.q_start) * h_n + r;
+    FromFloat(pb.elem, acc, inv, dc, (split ? pb.partial_o : pb.out) + o * dc * pb.elem_bytes);
+    (split ? pb.partial_lse : pb.lse)[o] = lse;
   }
 }
 

@@ -29,7 +29,7 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
                                 ffi::Buffer<ffi::S32> work, ffi::Buffer<ffi::S32> merge,
                                 ffi::Buffer<ffi::F32> ckv_scale, ffi::Buffer<ffi::F32> kpe_scale,
                                 ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                                ffi::Result<ffi::Buffer<ffi::F32>> partial_o,
+                                ffi::Result<ffi::AnyBuffer> partial_o,
                                 ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, float sm_scale,
                                 int32_t fp8_products) {
   const auto qd = q_nope.dimensions(), rd = q_pe.dimensions(), cd = ckv.dimensions(), kd = kpe.dimensions();
@@ -62,7 +62,9 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
     return bad("ckv_scale and kpe_scale must hold one float32 each");
   }
   const ffi::DataType dt = q_nope.element_type();
-  if (q_pe.element_type() != dt || out->element_type() != dt) return bad("q_nope, q_pe and out must share one dtype");
+  if (q_pe.element_type() != dt || out->element_type() != dt || partial_o->element_type() != dt) {
+    return bad("q_nope, q_pe, out and the partial_o workspace must share one dtype");
+  }
   // The cache: the queries' dtype, or an fp8 ckv (kpe fp8 or the queries' dtype) with bf16 / fp16 queries.
   const bool ckv_fp8 = ckv.element_type() == ffi::DataType::F8E4M3FN;
   const bool kpe_fp8 = kpe.element_type() == ffi::DataType::F8E4M3FN;
@@ -96,7 +98,7 @@ ffi::Error paged_attention_cuda(cudaStream_t stream, ffi::AnyBuffer q_nope, ffi:
   p.kpe_scale = kpe_scale.typed_data();
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
-  p.partial_o = partial_o->typed_data();
+  p.partial_o = partial_o->untyped_data();
   p.partial_lse = partial_lse->typed_data();
   set_problem_sizes(p, T, H, P, ps, R, max_pages, ld[0], wd[0], md[0], pod[0], sm_scale);
   p.fp8_products = fp8_products != 0 && cache == kCacheFp8Ckv;
@@ -144,7 +146,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaPagedAttentionCuda, jax_mla::cuda::paged_att
                                   .Arg<ffi::Buffer<ffi::F32>>()     // kpe_scale [1]
                                   .Ret<ffi::AnyBuffer>()            // out
                                   .Ret<ffi::Buffer<ffi::F32>>()     // lse
-                                  .Ret<ffi::Buffer<ffi::F32>>()     // partial_o (workspace)
+                                  .Ret<ffi::AnyBuffer>()            // partial_o (workspace, out's dtype)
                                   .Ret<ffi::Buffer<ffi::F32>>()     // partial_lse (workspace)
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("fp8_products"),  // 1: e4m3 products allowed (lossy)

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kThreads) mla_attention_f32_kernel(const Probl
       if (lane == 0) p.lse[tok_head] = lse;
     } else {
       const size_t prow = (size_t)(u.partial_row + i) * p.num_heads + h;
-      dst = p.partial_o + prow * kDimCkv;
+      dst = static_cast<float*>(p.partial_o) + prow * kDimCkv;
       if (lane == 0) p.partial_lse[prow] = lse;
     }
 #pragma unroll

@@ -41,7 +41,7 @@ struct Problem {
   const float* kpe_scale;     // [1]
   void* out;                  // [T, H, 512] in the query dtype
   float* lse;                 // [T, H]
-  float* partial_o;           // [Pp, H, 512]
+  void* partial_o;            // [Pp, H, 512] in the query dtype (a split's rows, normalised, as its output would be)
   float* partial_lse;         // [Pp, H]
   int num_tokens;             // T
   int num_heads;              // H
@@ -271,9 +271,6 @@ __device__ __forceinline__ void cp_async_wait() {
 // Shared-memory loads and stores by 32-bit address (volatile and ordered among themselves).
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float x, float y) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(x), "f"(y) : "memory");
 }
 __device__ __forceinline__ void st_shared_u8(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u8 [%0], %1;\n" ::"r"(addr), "h"((unsigned short)v) : "memory");

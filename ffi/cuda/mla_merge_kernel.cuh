@@ -1,16 +1,19 @@
 // Second launch of every call: combines split partials by LSE and writes zeros
-// (LSE -inf) for the padding tokens that no work unit covers.
+// (LSE -inf) for the padding tokens that no work unit covers. A split's partial
+// row is its normalised output in the output's type (16-bit for 16-bit queries:
+// half the bytes of float32 partials for the split units to write and for this
+// kernel to read) and its LSE in float32.
 //
 // Two kinds of merge task, by the row's split count:
 //   * a row of many splits (> kMergeManySplits: one long request spread over the
 //     GPU): (token, head, one of four parts of 128 columns). The block's 8 warps
-//     share the splits (warp w reads splits w, w+8, ...), each lane one float4 of
-//     the part per split, eight splits in flight per warp, so 64 splits cost one
+//     share the splits (warp w reads splits w, w+8, ...), each lane four columns
+//     of the part per split, eight splits in flight per warp, so 64 splits cost one
 //     round trip; the warps meet once in shared memory, where thread c finishes
 //     column c of the part.
 //   * a row of a few splits (a batch cut into a few units per request): (token,
 //     eight heads). Warp w merges head 8 t + w alone over all 512 columns (a lane
-//     four float4 per split, four splits in flight), with no shared memory and no
+//     four times four columns per split, four splits in flight), with no shared memory and no
 //     block barrier: one round trip, and a block finishes eight rows at once.
 // Tasks of all merge rows are numbered by a warp-wide prefix sum over
 // the merge table (each warp does the same scan, so no barrier is needed to
@@ -19,6 +22,8 @@
 // size whatever it holds. The plan tables are read before the wait for the
 // attention grid, so only the partials' round trip follows its end.
 #pragma once
+
+#include <type_traits>
 
 #include "mla_common.cuh"
 
@@ -50,7 +55,23 @@ struct MergeSums {
   bool nan = false;  // a split's row is NaN (a NaN score): the merged row is NaN
   float4 acc[V];
 };
-template <int V, int U>
+// Four consecutive values of a partial row (T, the output's type) as loaded: one 8-byte load for a
+// 16-bit T, 16 bytes for float, kept raw until the arithmetic (converting at the load made each
+// split's load wait for the previous one's: the loads sit in branches). Plain loads: the partials are
+// the attention grid's writes, read after the programmatic dependency's wait.
+template <typename T>
+using Partial4 = std::conditional_t<sizeof(T) == 4, float4, uint2>;
+template <typename T>
+__device__ __forceinline__ float4 partial4_floats(const Partial4<T>& v) {
+  if constexpr (sizeof(T) == 4) {
+    return v;
+  } else {
+    const float2 a = unpack2<T>(v.x), b = unpack2<T>(v.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+  }
+}
+
+template <typename T, int V, int U>
 __device__ __forceinline__ MergeSums<V> merge_splits(const Problem& p, int base_row, int q_len, int splits, int head,
                                                      int col0, int first, int stride) {
   const int lane = threadIdx.x & 31;
@@ -63,19 +84,19 @@ __device__ __forceinline__ MergeSums<V> merge_splits(const Problem& p, int base_
   for (int v = 0; v < V; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int j0 = first; j0 < splits; j0 += stride * U) {
     float lj[U];
-    float4 oj[U][V];
+    Partial4<T> oj[U][V];
 #pragma unroll
     for (int k = 0; k < U; ++k) {  // issue every load first
       const int j = j0 + stride * k;
       lj[k] = -INFINITY;
 #pragma unroll
-      for (int v = 0; v < V; ++v) oj[k][v] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int v = 0; v < V; ++v) oj[k][v] = {};
       if (j < splits) {
         const size_t row = ((size_t)base_row + (size_t)j * q_len) * p.num_heads + head;
-        const float* src = p.partial_o + row * kDimCkv + col0 + lane * 4;
+        const T* src = static_cast<const T*>(p.partial_o) + row * kDimCkv + col0 + lane * 4;
         lj[k] = p.partial_lse[row];
 #pragma unroll
-        for (int v = 0; v < V; ++v) oj[k][v] = *reinterpret_cast<const float4*>(src + 128 * v);
+        for (int v = 0; v < V; ++v) oj[k][v] = *reinterpret_cast<const Partial4<T>*>(src + 128 * v);
       }
     }
 #pragma unroll
@@ -97,8 +118,9 @@ __device__ __forceinline__ MergeSums<V> merge_splits(const Problem& p, int base_
       const float w = __expf(lj[k] - m);
 #pragma unroll
       for (int v = 0; v < V; ++v) {
-        acc[v].x += w * oj[k][v].x; acc[v].y += w * oj[k][v].y;
-        acc[v].z += w * oj[k][v].z; acc[v].w += w * oj[k][v].w;
+        const float4 o = partial4_floats<T>(oj[k][v]);
+        acc[v].x += w * o.x; acc[v].y += w * o.y;
+        acc[v].z += w * o.z; acc[v].w += w * o.w;
       }
       s += w;
     }
@@ -111,11 +133,11 @@ template <typename T>
 __device__ __forceinline__ void merge_task(const Problem& p, MergeScratch& sh, int token, int base_row, int q_len,
                                            int splits, int head, int part) {
   constexpr int COLS = kDimCkv / 4;  // a part
-  constexpr int V = COLS / 128;      // float4 per lane per split
+  constexpr int V = COLS / 128;      // four columns a lane, V times per split
   constexpr int U = 8;               // splits in flight per warp
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int col_base = part * COLS;
-  const MergeSums<V> r = merge_splits<V, U>(p, base_row, q_len, splits, head, col_base, warp, kWarps);
+  const MergeSums<V> r = merge_splits<T, V, U>(p, base_row, q_len, splits, head, col_base, warp, kWarps);
   if (lane == 0) {
     sh.m[warp] = r.nan ? NAN : r.m;
     sh.s[warp] = r.s;
@@ -154,7 +176,7 @@ template <typename T>
 __device__ __forceinline__ void merge_head_warp(const Problem& p, int token, int base_row, int q_len, int splits,
                                                 int head) {
   const int lane = threadIdx.x & 31;
-  const MergeSums<4> r = merge_splits<4, 4>(p, base_row, q_len, splits, head, 0, 0, 1);  // four splits in flight
+  const MergeSums<4> r = merge_splits<T, 4, 4>(p, base_row, q_len, splits, head, 0, 0, 1);  // four splits in flight
   const size_t row = (size_t)token * p.num_heads + head;
   const float inv = r.s > 0.f ? 1.f / r.s : 0.f;
   T* out = static_cast<T*>(p.out) + row * kDimCkv + lane * 4;

@@ -81,8 +81,8 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
 }
 
 // Epilogue of tile row r: O / l (l = 0: no key, zeros; a NaN l stays NaN) times out_scale (an fp8
-// cache's scale, mla_fp8.cuh), stored in the query type, or in float32 as a split unit's partial
-// for the merge; and, where write_lse, the row's LSE (natural log; -inf with no key). m_log2 is the
+// cache's scale, mla_fp8.cuh), stored in the query type, to out or, for a split unit, to its
+// partial rows for the merge; and, where write_lse, the row's LSE (natural log; -inf with no key). m_log2 is the
 // row's running max in base 2. The thread holds NPAIRS column pairs, pair(j) gives them: in groups of
 // GROUP adjacent pairs, group i at col0 + 2 STRIDE i (the m16n8 layout: GROUP 1, pair j at col0 + 8 j;
 // the narrow body's fp8 P V holds four adjacent columns, GROUP 2; STRIDE is in pairs, 4 GROUP unless
@@ -93,25 +93,15 @@ __device__ __forceinline__ void store_tile_row(const Problem& p, const Unit& u, 
   const float inv = l != 0.f ? out_scale / l : 0.f;
   const float lse = l != 0.f ? (m_log2 + __log2f(l)) * kLn2 : -INFINITY;
   const int i = r / hb, h = h0 + r % hb;
-  if (u.partial_row < 0) {
-    const size_t row = (size_t)(u.q_start + i) * p.num_heads + h;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + row * kDimCkv + col0);
+  const bool split = u.partial_row >= 0;
+  const size_t row = (size_t)((split ? u.partial_row : u.q_start) + i) * p.num_heads + h;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(split ? p.partial_o : p.out) + row * kDimCkv + col0);
 #pragma unroll
-    for (int j = 0; j < NPAIRS; ++j) {
-      const float2 v = pair(j);
-      dst[(j / GROUP) * STRIDE + j % GROUP] = pack2<T>(v.x * inv, v.y * inv);
-    }
-    if (write_lse) p.lse[row] = lse;
-  } else {
-    const size_t row = (size_t)(u.partial_row + i) * p.num_heads + h;
-    float2* dst = reinterpret_cast<float2*>(p.partial_o + row * kDimCkv + col0);
-#pragma unroll
-    for (int j = 0; j < NPAIRS; ++j) {
-      const float2 v = pair(j);
-      dst[(j / GROUP) * STRIDE + j % GROUP] = make_float2(v.x * inv, v.y * inv);
-    }
-    if (write_lse) p.partial_lse[row] = lse;
+  for (int j = 0; j < NPAIRS; ++j) {
+    const float2 v = pair(j);
+    dst[(j / GROUP) * STRIDE + j % GROUP] = pack2<T>(v.x * inv, v.y * inv);
   }
+  if (write_lse) (split ? p.partial_lse : p.lse)[row] = lse;
 }
 
 }  // namespace cuda

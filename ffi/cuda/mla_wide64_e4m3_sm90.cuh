@@ -170,7 +170,7 @@ __device__ __forceinline__ void e4m3_store(const Problem& p, const Unit& u, int 
   publish_row_sums<HALF>(l_run, r, t4, sum_ptr);
   named_barrier_sync(W::kBoth, W::kThreads);
   const bool split = u.partial_row >= 0;
-  const int pitch = split ? kDimCkv * 4 + 32 : kDimCkv * (int)sizeof(T) + 16;
+  constexpr int pitch = kStagedRowPitch<T>;
   const uint32_t stage = base + W::K_OFF;
   float inv[16];
 #pragma unroll
@@ -188,12 +188,8 @@ __device__ __forceinline__ void e4m3_store(const Problem& p, const Unit& u, int 
 #pragma unroll
       for (int b = 0; b < 2; ++b) {  // rows 8 n + 2 t4 + b: (dim d0, d0 + 1) = f[b], f[2 + b]
         const int row = 8 * n + 2 * t4 + b;
-        const float x = f[b] * inv[2 * n + b], y = f[2 + b] * inv[2 * n + b];
-        if (split) {
-          st_shared_f32x2(stage + row * pitch + d0 * 4, x, y);
-        } else {
-          st_shared_u32(stage + row * pitch + d0 * (int)sizeof(T), pack2<T>(x, y));
-        }
+        st_shared_u32(stage + row * pitch + d0 * (int)sizeof(T),
+                      pack2<T>(f[b] * inv[2 * n + b], f[2 + b] * inv[2 * n + b]));
       }
     }
   }

@@ -656,7 +656,12 @@ __device__ __forceinline__ void store_row_lse(const Problem& p, const Unit& u, i
     p.lse[(size_t)(u.q_start + i) * p.num_heads + h] = lse;
   }
 }
-// The staged rows (`pitch` bytes apart from `stage`) to out, or to a split's partial_o as float: one bulk
+// Bytes between two staged rows of T: 16 bytes of padding put the fragments' 4-byte stores of a warp
+// (rows g, columns 2 t4) in distinct banks.
+template <typename T>
+constexpr int kStagedRowPitch = kDimCkv * (int)sizeof(T) + 16;
+
+// The staged rows of T (`pitch` bytes apart from `stage`) to out, or to a split's partial rows: one bulk
 // copy a row by thread ctid < rows, which waits for the copy's reads (the block's shared memory must
 // outlive them). The caller fences and synchronises the staging threads first.
 template <typename T>
@@ -664,9 +669,9 @@ __device__ __forceinline__ void copy_staged_rows(const Problem& p, const Unit& u
                                                  uint32_t stage, int pitch, int ctid) {
   if (ctid < rows) {
     const int i = ctid / hb, h = h0 + ctid % hb;
-    void* dst = split ? (void*)(p.partial_o + ((size_t)(u.partial_row + i) * p.num_heads + h) * kDimCkv)
-                      : (void*)(static_cast<T*>(p.out) + ((size_t)(u.q_start + i) * p.num_heads + h) * kDimCkv);
-    bulk_copy_s2g(dst, stage + ctid * pitch, split ? kDimCkv * 4 : kDimCkv * sizeof(T));
+    const size_t row = (size_t)((split ? u.partial_row : u.q_start) + i) * p.num_heads + h;
+    T* dst = static_cast<T*>(split ? p.partial_o : p.out) + row * kDimCkv;
+    bulk_copy_s2g(dst, stage + ctid * pitch, kDimCkv * sizeof(T));
     bulk_commit_and_wait_read();
   }
 }
@@ -686,10 +691,9 @@ __device__ __forceinline__ void publish_row_sums(const float (&l_run)[2], const 
 // The end of a two-warpgroup body (this one and mla_wide64_sm90.cuh's): each warpgroup's row
 // sums (a row's keys sit in four lanes) meet in shared memory (sum_ptr(half, row)) at a named
 // barrier across both warpgroups (`threads` of them, ctid = 0 .. threads - 1 among them); then each
-// warpgroup writes its 256 columns of every row, normalised, as T (or float, a split unit's
-// partials) into `stage`: the body's key buffers, free once both warpgroups' last MMAs are done
-// (before the barrier), rows padded by 16 or 32 bytes so that the fragments' stores fall in
-// distinct banks. Then one bulk copy per row to global memory; warpgroup 0 writes the LSEs. Per
+// warpgroup writes its 256 columns of every row, normalised, as T (a split unit's partial rows too)
+// into `stage`: the body's key buffers, free once both warpgroups' last MMAs are done (before the
+// barrier), rows padded by 16 bytes so that the fragments' stores fall in distinct banks. Then one bulk copy per row to global memory; warpgroup 0 writes the LSEs. Per
 // thread 4-byte global stores of the fragments took ~8,000 cycles a 64-row tile (NOTES.md, "third
 // session").
 template <typename T, int HALF, typename SumPtr>
@@ -700,7 +704,7 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
   publish_row_sums<HALF>(l_run, r, t4, sum_ptr);
   named_barrier_sync(barrier, threads);
   const bool split = u.partial_row >= 0;
-  const int pitch = split ? kDimCkv * 4 + 32 : kDimCkv * (int)sizeof(T) + 16;
+  constexpr int pitch = kStagedRowPitch<T>;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     const float l = *sum_ptr(0, r[e]) + *sum_ptr(1, r[e]);
@@ -709,12 +713,7 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
       const int col = HALF * 256 + 8 * j + 2 * t4;
-      const float x = o[4 * j + 2 * e] * inv, y = o[4 * j + 2 * e + 1] * inv;
-      if (split) {
-        st_shared_f32x2(row + col * 4, x, y);
-      } else {
-        st_shared_u32(row + col * (int)sizeof(T), pack2<T>(x, y));
-      }
+      st_shared_u32(row + col * (int)sizeof(T), pack2<T>(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv));
     }
     if (HALF == 0 && t4 == 0 && r[e] < rows) store_row_lse(p, u, h0, hb, r[e], split, m_run[e], l);
   }
@@ -722,8 +721,8 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
   named_barrier_sync(barrier, threads);
   copy_staged_rows<T>(p, u, h0, hb, rows, split, stage, pitch, ctid);
 }
-// Shared memory the staged rows of store_two_halves take.
-constexpr int kStagedRowsBytes = kRowsPerTile * (kDimCkv * 4 + 32);
+// Shared memory the staged rows of store_two_halves take (16-bit T: the wgmma bodies' query types).
+constexpr int kStagedRowsBytes = kRowsPerTile * kStagedRowPitch<__half>;
 
 // The latent part of S and all of P V multiply in MT (T, or fp16 with an fp8 cache: mla_fp8.cuh).
 template <typename T, int HALF, int kCache>

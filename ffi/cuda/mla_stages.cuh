@@ -82,11 +82,11 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
 
 // Epilogue of tile row r: O / l (l = 0: no key, zeros; a NaN l stays NaN) times out_scale (an fp8
 // cache's scale, mla_fp8.cuh), stored in the query type, to out or, for a split unit, to its
-// partial rows for the merge; and, where write_lse, the row's LSE (natural log; -inf with no key). m_log2 is the
-// row's running max in base 2. The thread holds NPAIRS column pairs, pair(j) gives them: in groups of
-// GROUP adjacent pairs, group i at col0 + 2 STRIDE i (the m16n8 layout: GROUP 1, pair j at col0 + 8 j;
-// the narrow body's fp8 P V holds four adjacent columns, GROUP 2; STRIDE is in pairs, 4 GROUP unless
-// given: the transposed fp8 body's pairs are 64 columns apart).
+// partial rows for the merge; and, where write_lse, the row's LSE (natural log; -inf with no key).
+// m_log2 is the row's running max in base 2. The thread holds NPAIRS column pairs, pair(j) gives
+// them: in groups of GROUP adjacent pairs, group i at col0 + 2 STRIDE i (the m16n8 layout: GROUP 1,
+// pair j at col0 + 8 j; the narrow body's fp8 P V holds four adjacent columns, GROUP 2; STRIDE is in
+// pairs, 4 GROUP unless given: the transposed fp8 body's pairs are 64 columns apart).
 template <typename T, int NPAIRS, int GROUP = 1, int STRIDE = 4 * GROUP, typename Pair>
 __device__ __forceinline__ void store_tile_row(const Problem& p, const Unit& u, int h0, int hb, int r, int col0,
                                                float l, float m_log2, float out_scale, bool write_lse, Pair pair) {

@@ -201,7 +201,7 @@ __device__ __forceinline__ void e4m3_store(const Problem& p, const Unit& u, int 
   }
   fence_proxy_async_shared();  // the rows reach the bulk copies' reads
   named_barrier_sync(W::kBoth, W::kThreads);
-  copy_staged_rows<T>(p, u, h0, hb, rows, split, stage, pitch, threadIdx.x);
+  copy_staged_rows<T>(p, u, h0, hb, rows, split, stage, threadIdx.x);
 }
 
 // One warpgroup of the e4m3 body (HALF = 0: WG0, block A; 1: WG1, block B).

@@ -661,17 +661,17 @@ __device__ __forceinline__ void store_row_lse(const Problem& p, const Unit& u, i
 template <typename T>
 constexpr int kStagedRowPitch = kDimCkv * (int)sizeof(T) + 16;
 
-// The staged rows of T (`pitch` bytes apart from `stage`) to out, or to a split's partial rows: one bulk
-// copy a row by thread ctid < rows, which waits for the copy's reads (the block's shared memory must
-// outlive them). The caller fences and synchronises the staging threads first.
+// The staged rows of T (kStagedRowPitch<T> bytes apart from `stage`) to out, or to a split's partial
+// rows: one bulk copy a row by thread ctid < rows, which waits for the copy's reads (the block's shared
+// memory must outlive them). The caller fences and synchronises the staging threads first.
 template <typename T>
 __device__ __forceinline__ void copy_staged_rows(const Problem& p, const Unit& u, int h0, int hb, int rows, bool split,
-                                                 uint32_t stage, int pitch, int ctid) {
+                                                 uint32_t stage, int ctid) {
   if (ctid < rows) {
     const int i = ctid / hb, h = h0 + ctid % hb;
     const size_t row = (size_t)((split ? u.partial_row : u.q_start) + i) * p.num_heads + h;
     T* dst = static_cast<T*>(split ? p.partial_o : p.out) + row * kDimCkv;
-    bulk_copy_s2g(dst, stage + ctid * pitch, kDimCkv * sizeof(T));
+    bulk_copy_s2g(dst, stage + ctid * kStagedRowPitch<T>, kDimCkv * sizeof(T));
     bulk_commit_and_wait_read();
   }
 }
@@ -693,9 +693,9 @@ __device__ __forceinline__ void publish_row_sums(const float (&l_run)[2], const 
 // barrier across both warpgroups (`threads` of them, ctid = 0 .. threads - 1 among them); then each
 // warpgroup writes its 256 columns of every row, normalised, as T (a split unit's partial rows too)
 // into `stage`: the body's key buffers, free once both warpgroups' last MMAs are done (before the
-// barrier), rows padded by 16 bytes so that the fragments' stores fall in distinct banks. Then one bulk copy per row to global memory; warpgroup 0 writes the LSEs. Per
-// thread 4-byte global stores of the fragments took ~8,000 cycles a 64-row tile (NOTES.md, "third
-// session").
+// barrier), rows padded by 16 bytes so that the fragments' stores fall in distinct banks. Then one
+// bulk copy per row to global memory; warpgroup 0 writes the LSEs. Per thread 4-byte global stores
+// of the fragments took ~8,000 cycles a 64-row tile (NOTES.md, "third session").
 template <typename T, int HALF, typename SumPtr>
 __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u, int h0, int hb, int rows,
                                                  const int (&r)[2], int t4, const float (&l_run)[2],
@@ -719,7 +719,7 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
   }
   fence_proxy_async_shared();  // the rows reach the bulk copies' reads
   named_barrier_sync(barrier, threads);
-  copy_staged_rows<T>(p, u, h0, hb, rows, split, stage, pitch, ctid);
+  copy_staged_rows<T>(p, u, h0, hb, rows, split, stage, ctid);
 }
 // Shared memory the staged rows of store_two_halves take (16-bit T: the wgmma bodies' query types).
 constexpr int kStagedRowsBytes = kRowsPerTile * kStagedRowPitch<__half>;

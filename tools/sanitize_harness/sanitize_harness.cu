@@ -89,11 +89,11 @@ static void run(Problem p, const std::vector<float>& qn, const std::vector<float
   const size_t n_pl = (size_t)p.num_partial_rows * p.num_heads;
   CHECK(cudaMalloc(&p.out, n_out * sizeof(T)));
   CHECK(cudaMalloc(&p.lse, n_lse * sizeof(float)));
-  CHECK(cudaMalloc(&p.partial_o, n_po * sizeof(float)));
+  CHECK(cudaMalloc(&p.partial_o, n_po * sizeof(T)));  // the output's type, exactly: memcheck sees an overrun
   CHECK(cudaMalloc(&p.partial_lse, n_pl * sizeof(float)));
   CHECK(cudaMemset(p.out, 0xff, n_out * sizeof(T)));  // NaN in every float type
   CHECK(cudaMemset(p.lse, 0xff, n_lse * sizeof(float)));
-  CHECK(cudaMemset(p.partial_o, 0xff, n_po * sizeof(float)));
+  CHECK(cudaMemset(p.partial_o, 0xff, n_po * sizeof(T)));
   CHECK(cudaMemset(p.partial_lse, 0xff, n_pl * sizeof(float)));
   cudaStream_t stream;
   CHECK(cudaStreamCreate(&stream));
@@ -276,12 +276,12 @@ static void time_case(Problem p, const char* name) {
   void *out, *lse, *po, *pl;
   CHECK(cudaMalloc(&out, n_q * kDimCkv * sizeof(T)));
   CHECK(cudaMalloc(&lse, n_q * sizeof(float)));
-  CHECK(cudaMalloc(&po, std::max(1, p.num_partial_rows) * (size_t)p.num_heads * kDimCkv * sizeof(float)));
+  CHECK(cudaMalloc(&po, std::max(1, p.num_partial_rows) * (size_t)p.num_heads * kDimCkv * sizeof(T)));
   CHECK(cudaMalloc(&pl, std::max(1, p.num_partial_rows) * (size_t)p.num_heads * sizeof(float)));
   for (auto& q : ps) {
     q.out = out;
     q.lse = static_cast<float*>(lse);
-    q.partial_o = static_cast<float*>(po);
+    q.partial_o = po;
     q.partial_lse = static_cast<float*>(pl);
   }
   CHECK(cudaDeviceSynchronize());

@@ -23,8 +23,8 @@ void RunMerge(const Problem& pb, int64_t m, std::vector<float>& scratch) {
   if (q_start < 0 || q_start + q_len > pb.num_tokens) return;
   if (base < 0 || base + splits * q_len > pb.num_partial_rows) return;
   const int64_t h_n = pb.num_heads, dc = pb.d_ckv;
-  const auto acc = scratch.begin(), acc_end = acc + dc;  // the merged row's sums
-  float* src = scratch.data() + dc;                      // a split's row, as float
+  float* acc = scratch.data();  // the merged row's sums
+  float* src = acc + dc;        // a split's row, as float
   for (int64_t i = 0; i < q_len; ++i) {
     for (int64_t h = 0; h < h_n; ++h) {
       // Split j of local token i lives at partial row base + j * q_len + i.
@@ -38,14 +38,14 @@ void RunMerge(const Problem& pb, int64_t m, std::vector<float>& scratch) {
       const int64_t o = (q_start + i) * h_n + h;
       char* out = pb.out + o * dc * pb.elem_bytes;
       if (nan) {  // a split's row is NaN: so is the merged row
-        std::fill(acc, acc_end, std::numeric_limits<float>::quiet_NaN());
-        FromFloat(pb.elem, scratch.data(), 1.0f, dc, out);
+        std::fill(acc, acc + dc, std::numeric_limits<float>::quiet_NaN());
+        FromFloat(pb.elem, acc, 1.0f, dc, out);
         pb.lse[o] = std::numeric_limits<float>::quiet_NaN();
         continue;
       }
-      std::fill(acc, acc_end, 0.0f);
+      std::fill(acc, acc + dc, 0.0f);
       if (mx == kNegInf) {  // no split saw a key: zeros, never 0/0
-        FromFloat(pb.elem, scratch.data(), 1.0f, dc, out);
+        FromFloat(pb.elem, acc, 1.0f, dc, out);
         pb.lse[o] = kNegInf;
         continue;
       }
@@ -58,7 +58,7 @@ void RunMerge(const Problem& pb, int64_t m, std::vector<float>& scratch) {
         ToFloat(pb.elem, pb.partial_o + p * dc * pb.elem_bytes, dc, src);
         for (int64_t c = 0; c < dc; ++c) acc[c] += w * src[c];
       }
-      FromFloat(pb.elem, scratch.data(), 1.0f / total, dc, out);
+      FromFloat(pb.elem, acc, 1.0f / total, dc, out);
       pb.lse[o] = mx + std::log(total);
     }
   }

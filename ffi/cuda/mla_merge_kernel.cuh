@@ -13,8 +13,9 @@
 //     column c of the part.
 //   * a row of a few splits (a batch cut into a few units per request): (token,
 //     eight heads). Warp w merges head 8 t + w alone over all 512 columns (a lane
-//     four times four columns per split, four splits in flight), with no shared memory and no
-//     block barrier: one round trip, and a block finishes eight rows at once.
+//     four times four columns per split, four splits in flight), with no shared
+//     memory and no block barrier: one round trip, and a block finishes eight rows
+//     at once.
 // Tasks of all merge rows are numbered by a warp-wide prefix sum over
 // the merge table (each warp does the same scan, so no barrier is needed to
 // agree on it) and dealt round-robin over a grid of a few blocks per SM: the

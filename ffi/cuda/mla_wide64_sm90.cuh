@@ -231,11 +231,10 @@ __device__ __forceinline__ void wide64_load_raw(const KeyTensorMaps& maps, uint3
 // so a lane shuffles in four rows a half, not sixteen. (Two lanes a key, each of a tile's 128 bytes in
 // 32-byte pieces from four instructions, ran 1.03-1.58x slower than the v5b producer body; a key's
 // half row an instruction, lane l its chunk l, ran ~5% slower than these lines at 128 heads on pages of
-// one key: NOTES.md, "twenty-sixth session".) Each
-// thread arrives on a half's tile barriers once its copies land (noinc: 128 arrivals a tile). Keys past
-// the range or on a page id outside the cache are zero-filled and masked key by key (keymask_addr,
-// written by the warpgroup that gathers half 0 and published on tile 0's barrier by lane 0 of each
-// warp: 4 more arrivals). The S warpgroup fences for the async proxy after each wait (wide64_scores).
+// one key: NOTES.md, "twenty-sixth session".) Each thread arrives on a half's tile barriers once its
+// copies land (noinc: 128 arrivals a tile). Keys past the range or on a page id outside the cache are
+// zero-filled and masked key by key (keymask_addr, written by the warpgroup that gathers half 0 and
+// published on tile 0's barrier by lane 0 of each warp: 4 more arrivals). The S warpgroup fences for the async proxy after each wait (wide64_scores).
 // Cache rows are int: a cache of 2^31 rows would be 2 TiB of latent.
 //
 // Pages of 8 or 16 keys (the kPageBoxes instance: maps made with a box of one page, mla_launch.cuh) and a
@@ -246,9 +245,9 @@ __device__ __forceinline__ void wide64_load_raw(const KeyTensorMaps& maps, uint3
 // (a key's half row an instruction, then) cost each consumer warp ~600-750 cycles a half (~1,200 with the
 // rope tile) of a pair's ~7,800 at 128 heads on pages of one key, against 60-120 for the warps that do not
 // issue the TMA path's boxes; the boxes took 8-10% off 64 and 128 heads on pages of 16 (NOTES.md,
-// "twenty-fifth session"). A box on a bad page
-// id or wholly past the range reads rows before the tensor (zeros); one whose page holds keys past the
-// range reads them, masked, and the partial block's V rows are zeroed before the PVs, as on the TMA path.
+// "twenty-fifth session"). A box on a bad page id or wholly past the range reads rows before the tensor
+// (zeros); one whose page holds keys past the range reads them, masked, and the partial block's V rows
+// are zeroed before the PVs, as on the TMA path.
 
 // Whether unit u's blocks can come as TMA boxes: maps made and a start on a box boundary (every box in
 // one page; the planner splits at multiples of 64). In the TMA instance (pages of 32+ keys) a unit

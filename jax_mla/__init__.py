@@ -4,7 +4,7 @@ from ._ffi import build_info
 from .attention import mla_paged_attention, resolve_backend
 from .cache import append_paged_kv
 from .paging import PagedBatch, PagedCacheManager, PagedKV
-from .planner import MLAPlan, PlanTarget, default_target, plan_mla
+from .planner import MLAPlan, PlanTarget, default_target, gpu_target, plan_mla
 from .quant import FP8_DTYPE, fp8_scale, quantize_fp8
 from .reference import mla_paged_attention_reference
 
@@ -21,6 +21,7 @@ __all__ = [
     "MLAPlan",
     "PlanTarget",
     "default_target",
+    "gpu_target",
     "FP8_DTYPE",
     "fp8_scale",
     "quantize_fp8",

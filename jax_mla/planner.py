@@ -32,7 +32,7 @@ from .plan_layout import (  # noqa: F401
     SUPPORTED_PAGE_SIZES, W_KV_END, W_KV_START, W_PARTIAL_ROW, W_QEND_OFFSET, W_QLEN, W_QSTART,
     W_REQUEST, W_SPLIT, WORK_COLS)
 
-__all__ = ["MLAPlan", "PlanTarget", "plan_mla", "plan_mla_numpy", "default_target", "bucket",
+__all__ = ["MLAPlan", "PlanTarget", "plan_mla", "plan_mla_numpy", "default_target", "gpu_target", "bucket",
            "SUPPORTED_PAGE_SIZES"]
 
 INT32_MAX = 2**31 - 1
@@ -92,24 +92,30 @@ class PlanTarget:
         return int(self.unit_overhead)
 
 
+def gpu_target(num_sms: int = 132) -> PlanTarget:
+    """The plan target of a CUDA GPU with num_sms SMs (default: an H100 / H200's 132), without a device:
+    what `default_target` gives on such a GPU, for planning elsewhere (the standalone CUDA driver's cases
+    are planned on the host for the H200 with it).
+
+    One unit per SM (the CUDA kernel's measured sweet spot), a unit's fixed cost taken as 256 keys, and
+    384 for full 64-row tiles read by TMA (64+ heads, pages of 32+ keys). On an H200, ragged batches
+    packed with 256 ran within 2% of the best of 128 / 256 / 512 on every shape tried; at 64 and 128 heads
+    384 ran 1.2-2.0% faster than 256 on three ragged batches, while below 64 heads a larger cost gained
+    under 1% or lost, and on pages of 16 keys it lost (ffi/cuda/NOTES.md, "a unit cost per body").
+    """
+    return PlanTarget(num_workers=num_sms, units_per_worker=1.0, min_chunk=256, chunk_align=64, unit_overhead=256,
+                      wide_unit_overhead=384)
+
+
 def default_target(device: Any = None) -> PlanTarget:
     """The plan target for `device` (default: JAX's first device).
 
-    GPU: one unit per SM (the CUDA kernel's measured sweet spot), a unit's fixed
-    cost taken as 256 keys, and 384 for full 64-row tiles read by TMA (64+ heads,
-    pages of 32+ keys). On an H200, ragged batches packed with 256 ran within 2%
-    of the best of 128 / 256 / 512 on every shape tried; at 64 and 128 heads 384
-    ran 1.2-2.0% faster than 256 on three ragged batches, while below 64 heads a
-    larger cost gained under 1% or lost, and on pages of 16 keys it lost
-    (ffi/cuda/NOTES.md, "a unit cost per body"). CPU: a few units per thread so
-    that uneven requests still balance.
+    GPU: `gpu_target` of its SM count. CPU: a few units per thread so that uneven requests still balance.
     """
     if device is None:
         device = jax.devices()[0]
     if device.platform == "gpu":
-        sms = int(getattr(device, "core_count", 0) or 132)
-        return PlanTarget(num_workers=sms, units_per_worker=1.0, min_chunk=256, chunk_align=64, unit_overhead=256,
-                          wide_unit_overhead=384)
+        return gpu_target(int(getattr(device, "core_count", 0) or 132))
     threads = os.cpu_count() or 1
     return PlanTarget(num_workers=threads, units_per_worker=4.0, min_chunk=512, chunk_align=64)
 

@@ -269,6 +269,7 @@ class _FakeDevice:
 
 def test_default_gpu_target_costs_full_tma_tiles_more():
     t = P.default_target(_FakeDevice("gpu", 132))
+    assert t == P.gpu_target(132) and P.default_target(_FakeDevice("gpu", 78)) == P.gpu_target(78)
     assert (t.num_workers, t.unit_overhead, t.wide_unit_overhead) == (132, 256, 384)
     # 64+ heads on pages the kernel reads by TMA take the wide cost; fewer heads or smaller pages do not
     assert t.overhead_for(128, 64) == t.overhead_for(64, 32) == 384

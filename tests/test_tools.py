@@ -1,9 +1,10 @@
 """The GPU-analysis tools that run on this machine: tools/ncu_source.py on a small source page,
 tools/trace_report.py on a small timeline, tools/block_trace_report.py on a small block trace,
-tools/sass_size.py on a few lines of SASS."""
+tools/sass_size.py on a few lines of SASS; the standalone driver's timing plans (cases.py)."""
 
 import gzip
 import importlib.util
+import os
 import pathlib
 
 import numpy as np
@@ -11,8 +12,8 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+def _tool(name, folder="tools"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -158,3 +159,17 @@ def test_sass_size_flags_odd_descriptor_registers():
     assert sorted(found) == ["kernel_a", "kernel_b"]
     assert [a for a, _ in tool.odd_descriptors(found["kernel_a"][0])] == [0x10]
     assert tool.odd_descriptors(found["kernel_b"][0]) == []
+
+
+def test_driver_times_the_plans_the_op_runs_on_an_h200(monkeypatch):
+    """cases.py plans its timing cases with the op's default target on a 132-SM GPU, so a driver A/B
+    times the plans the op runs there (an older copy of the target's fields costed units at 128 keys)."""
+    from jax_mla.planner import default_target
+
+    class H200:
+        platform, core_count = "gpu", 132
+
+    # cases.py defaults JAX_PLATFORMS to cpu for its own process; keep that out of this one's
+    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", ""))
+    cases = _tool("cases", "tools/sanitize_harness")
+    assert cases.TIMING_TARGET == default_target(H200())

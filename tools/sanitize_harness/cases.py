@@ -28,16 +28,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # planning only; the GPU belongs 
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_mla import PlanTarget, plan_mla  # noqa: E402
+from jax_mla import PlanTarget, gpu_target, plan_mla  # noqa: E402
 from jax_mla import plan_layout  # noqa: E402
 from jax_mla.arg_specs import arg_specs, case_split_target  # noqa: E402
 
 SCALE = 0.0723
 DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2}
 TOL = {0: 6e-3, 1: 2e-3, 2: 1e-5}
-# The op's default target on an H200 (planner.default_target) for timing, one unit per worker for
-# profiles (whole requests, so a profile sees long units).
-TIMING_TARGET = PlanTarget(num_workers=132, units_per_worker=1.0, min_chunk=256, chunk_align=64)
+# The op's default target on an H200 for timing (so the driver times the plans the op runs there), one
+# unit per worker for profiles (whole requests, so a profile sees long units).
+TIMING_TARGET = gpu_target(132)
 PROFILE_TARGET = PlanTarget(num_workers=132, units_per_worker=1.0, min_chunk=256, chunk_align=64,
                             unit_overhead=128)
 

@@ -14,7 +14,7 @@ from ._validate import check_attention_args
 from .planner import MLAPlan
 from .reference import mla_paged_attention_reference
 
-__all__ = ["mla_paged_attention", "resolve_backend", "BACKENDS"]
+__all__ = ["mla_paged_attention", "resolve_backend", "export_disabled_checks", "BACKENDS"]
 
 BACKENDS = ("auto", "ffi", "reference")
 
@@ -47,6 +47,22 @@ def resolve_backend(backend: str, d_ckv: int, d_kpe: int) -> str:
         if not built and platform != "cpu":
             _warn_once(f"jax_mla: no {platform} kernel ({why}); backend='auto' runs the jax.numpy reference")
     return "ffi" if ok else "reference"
+
+
+def export_disabled_checks() -> list:
+    """The `disabled_checks` that `jax.export.export` needs for a function that calls the op.
+
+    JAX exports only custom calls with a compatibility guarantee, and the op's (target
+    ``jax_mla_paged_attention``, the same on every platform) has none across jax_mla versions: its
+    operands, attributes and the plan's layout may change. An artifact exported with these checks
+    disabled runs where the same jax_mla version is installed (CPU, or a GPU the CUDA handler was
+    built for), under the plan's bucket shapes it was exported with::
+
+        exported = jax.export.export(jax.jit(step), disabled_checks=jax_mla.export_disabled_checks())(*args)
+    """
+    from jax import export
+
+    return [export.DisabledSafetyCheck.custom_call(_ffi.ATTENTION_TARGET)]
 
 
 def mla_paged_attention(

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 from typing import Any, Sequence
 
 import jax
 import numpy as np
+from jax import export
 
 # The table layout, the tile rule and the page sizes are the plan contract (plan_layout.py);
 # re-exported here (planner.W_QLEN etc.) for the planner's readers.
@@ -181,6 +183,21 @@ class MLAPlan:
                 f"split_units={split}, merges={int((np.asarray(self.merge)[:, M_QLEN] > 0).sum())}/"
                 f"{np.shape(self.merge)[0]}, partial_rows={self.num_partial_rows})")
 
+
+
+def _serialize_plan_static(static: tuple) -> bytes:
+    return json.dumps([int(v) for v in static]).encode()
+
+
+def _deserialize_plan_static(data: bytes) -> tuple:
+    return tuple(json.loads(data))
+
+
+# An exported function that takes a plan (jax.export) serializes the plan's tree: its static facts go
+# as six ints (attention.export_disabled_checks has the rest of what export needs).
+export.register_pytree_node_serialization(MLAPlan, serialized_name="jax_mla.MLAPlan",
+                                          serialize_auxdata=_serialize_plan_static,
+                                          deserialize_auxdata=_deserialize_plan_static)
 
 def _as_lengths(name: str, x: Any, check_values: bool = True) -> np.ndarray:
     """x as a 1-D int64 NumPy array; check_values: also its int32 range and sign (the native planner

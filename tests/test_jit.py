@@ -1,4 +1,4 @@
-"""The jitted decode step: one trace per bucket, no device->host transfer, one plan for N steps."""
+"""The jitted decode step: one trace per bucket, no device->host transfer, one plan for N steps; jax.export."""
 
 from __future__ import annotations
 
@@ -85,3 +85,42 @@ def test_one_plan_serves_n_jitted_steps(rng, qo):
     want = run(mla_paged_attention_reference)
     assert rel_err(got, want) < 1e-5
     assert np.isfinite(np.asarray(got)).all() and np.abs(np.asarray(got)).sum() > 0
+
+
+
+def _export_case(rng):
+    qo, kv = np.array([1, 3]), np.array([40, 200])
+    b = random_paged_batch(rng, qo, kv, num_heads=HEADS, page_size=PAGE, d_ckv=512, d_kpe=64, dtype=jnp.bfloat16)
+    plan = plan_mla(qo, kv, num_heads=HEADS, page_size=PAGE, target=TARGET)
+    return make_step([]), (b.q_nope, b.q_pe, b.ckv, b.kpe, b.page_table, b.kv_lens, plan)
+
+
+def test_jax_export_with_the_ops_disabled_check(rng):
+    """jax.export refuses the op's custom call unless its check is disabled; with
+    jax_mla.export_disabled_checks() the exported step gives the jitted step's result, and one target
+    serves every platform, so a CPU host exports for CUDA too."""
+    from jax import export
+
+    from jax_mla import export_disabled_checks
+
+    step, args = _export_case(rng)
+    with pytest.raises(ValueError, match="jax_mla_paged_attention"):
+        export.export(step)(*args)
+    exported = export.export(step, disabled_checks=export_disabled_checks())(*args)
+    for got, want in zip(exported.call(*args), step(*args)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    both = export.export(step, disabled_checks=export_disabled_checks(), platforms=("cpu", "cuda"))(*args)
+    assert both.platforms == ("cpu", "cuda") and "jax_mla_paged_attention" in both.mlir_module()
+
+
+def test_exported_step_survives_serialization(rng):
+    pytest.importorskip("flatbuffers")  # jax's serialization format
+    from jax import export
+
+    from jax_mla import export_disabled_checks
+
+    step, args = _export_case(rng)
+    exported = export.export(step, disabled_checks=export_disabled_checks())(*args)
+    again = export.deserialize(exported.serialize())
+    for got, want in zip(again.call(*args), step(*args)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -1,7 +1,7 @@
 """jax_mla: paged Multi-head Latent Attention (DeepSeek-V2/V3) for JAX."""
 
 from ._ffi import build_info
-from .attention import export_disabled_checks, mla_paged_attention, resolve_backend
+from .attention import export_disabled_checks, mla_paged_attention, register_ffi_targets, resolve_backend
 from .cache import append_paged_kv
 from .paging import PagedBatch, PagedCacheManager, PagedKV
 from .planner import MLAPlan, PlanTarget, default_target, gpu_target, plan_mla
@@ -13,6 +13,7 @@ __all__ = [
     "mla_paged_attention",
     "resolve_backend",
     "export_disabled_checks",
+    "register_ffi_targets",
     "mla_paged_attention_reference",
     "append_paged_kv",
     "plan_mla",

@@ -14,7 +14,7 @@ from ._validate import check_attention_args
 from .planner import MLAPlan
 from .reference import mla_paged_attention_reference
 
-__all__ = ["mla_paged_attention", "resolve_backend", "export_disabled_checks", "BACKENDS"]
+__all__ = ["mla_paged_attention", "resolve_backend", "export_disabled_checks", "register_ffi_targets", "BACKENDS"]
 
 BACKENDS = ("auto", "ffi", "reference")
 
@@ -56,13 +56,30 @@ def export_disabled_checks() -> list:
     ``jax_mla_paged_attention``, the same on every platform) has none across jax_mla versions: its
     operands, attributes and the plan's layout may change. An artifact exported with these checks
     disabled runs where the same jax_mla version is installed (CPU, or a GPU the CUDA handler was
-    built for), under the plan's bucket shapes it was exported with::
+    built for), with plans of the bucket shapes it was exported with, once `register_ffi_targets`
+    has run in that process::
 
         exported = jax.export.export(jax.jit(step), disabled_checks=jax_mla.export_disabled_checks())(*args)
     """
     from jax import export
 
     return [export.DisabledSafetyCheck.custom_call(_ffi.ATTENTION_TARGET)]
+
+
+def register_ffi_targets(platform: str | None = None) -> frozenset[str]:
+    """Registers the op's handlers with XLA for `platform` ('cpu', or 'gpu' / 'cuda'; default: JAX's
+    default backend) and returns the platforms registered so far.
+
+    The op registers them itself when it is traced. Call this first where a process runs the custom
+    call without tracing the op: a deserialized `jax.export` artifact. Raises RuntimeError, saying
+    why, when the platform has no handler (a build without CUDA, or no code for the GPU's arch).
+    """
+    platform = jax.default_backend() if platform is None else platform
+    if platform not in ("cpu", "gpu", "cuda"):
+        raise ValueError(f"platform={platform!r}: jax_mla has handlers for 'cpu' and 'gpu' / 'cuda'")
+    if not _ffi.has_ffi(platform):
+        raise RuntimeError(f"jax_mla: no {platform} handler: {_ffi.unavailable_reason(platform)}")
+    return _ffi.registered_platforms()
 
 
 def mla_paged_attention(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +96,6 @@ def _export_case(rng):
     plan = plan_mla(qo, kv, num_heads=HEADS, page_size=PAGE, target=TARGET)
     return make_step([]), (b.q_nope, b.q_pe, b.ckv, b.kpe, b.page_table, b.kv_lens, plan)
 
-
 def test_jax_export_with_the_ops_disabled_check(rng):
     """jax.export refuses the op's custom call unless its check is disabled; with
     jax_mla.export_disabled_checks() the exported step gives the jitted step's result, and one target
@@ -113,14 +114,62 @@ def test_jax_export_with_the_ops_disabled_check(rng):
     assert both.platforms == ("cpu", "cuda") and "jax_mla_paged_attention" in both.mlir_module()
 
 
-def test_exported_step_survives_serialization(rng):
+
+# A fresh process: the artifact's custom call needs the handler registered, which only tracing the op
+# (or register_ffi_targets) does.
+_RUN_ARTIFACT = """
+import sys
+import numpy as np
+from jax import export
+import jax_mla
+sys.path.insert(0, sys.argv[3])
+import test_jit
+exported = export.deserialize(bytearray(open(sys.argv[1], "rb").read()))
+_, args = test_jit._export_case(np.random.default_rng(7))
+try:
+    exported.call(*args)
+    print("RAN UNREGISTERED")
+except Exception as e:
+    print("UNREGISTERED:", type(e).__name__, e)
+print("REGISTERED:", sorted(jax_mla.register_ffi_targets()))
+out, lse = exported.call(*args)
+ref = np.load(sys.argv[2])
+print("EQUAL:", np.array_equal(np.asarray(out, np.float32), ref["out"]) and np.array_equal(np.asarray(lse), ref["lse"]))
+for platform in ("tpu", "cuda"):
+    try:
+        jax_mla.register_ffi_targets(platform)
+        print(platform, "REGISTERED")
+    except (ValueError, RuntimeError) as e:
+        print(platform, type(e).__name__, e)
+"""
+
+
+def test_exported_step_survives_serialization(tmp_path):
     pytest.importorskip("flatbuffers")  # jax's serialization format
+    import subprocess
+    import sys
+
     from jax import export
 
     from jax_mla import export_disabled_checks
 
-    step, args = _export_case(rng)
+    step, args = _export_case(np.random.default_rng(7))
     exported = export.export(step, disabled_checks=export_disabled_checks())(*args)
-    again = export.deserialize(exported.serialize())
-    for got, want in zip(again.call(*args), step(*args)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    (tmp_path / "step.bin").write_bytes(exported.serialize())
+    out, lse = step(*args)
+    np.savez(tmp_path / "want.npz", out=np.asarray(out, np.float32), lse=np.asarray(lse))
+    again = export.deserialize(bytearray((tmp_path / "step.bin").read_bytes()))
+    got = again.call(*args)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(out))
+
+    r = subprocess.run([sys.executable, "-c", _RUN_ARTIFACT, str(tmp_path / "step.bin"), str(tmp_path / "want.npz"),
+                        str(pathlib.Path(__file__).parent)],
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout
+    assert "UNREGISTERED:" in lines and "jax_mla_paged_attention" in lines, lines
+    assert "REGISTERED: ['cpu']" in lines and "EQUAL: True" in lines, lines
+    assert "tpu ValueError" in lines, lines
+    # CUDA: registered where JAX has a GPU; elsewhere refused, saying why (no device, or no CUDA build)
+    assert ("cuda REGISTERED" if jax.default_backend() == "gpu" else "cuda RuntimeError jax_mla: no cuda handler") \
+        in lines, lines

@@ -3,7 +3,7 @@
 from ._ffi import build_info
 from .attention import export_disabled_checks, mla_paged_attention, register_ffi_targets, resolve_backend
 from .cache import append_paged_kv
-from .paging import PagedBatch, PagedCacheManager, PagedKV
+from .paging import PagedBatch, PagedCacheManager, PagedKV, page_table_from_indptr
 from .planner import MLAPlan, PlanTarget, default_target, gpu_target, plan_mla
 from .quant import FP8_DTYPE, fp8_scale, quantize_fp8
 from .reference import mla_paged_attention_reference
@@ -20,6 +20,7 @@ __all__ = [
     "PagedCacheManager",
     "PagedKV",
     "PagedBatch",
+    "page_table_from_indptr",
     "MLAPlan",
     "PlanTarget",
     "default_target",

@@ -25,7 +25,7 @@ from .planner import MLAPlan, PlanTarget, SUPPORTED_PAGE_SIZES, bucket, default_
 from .quant import is_fp8
 
 __all__ = ["OutOfPagesError", "OutOfSlotsError", "PagedCacheManager", "PagedKV", "PagedBatch", "token_positions",
-           "bucket"]
+           "bucket", "page_table_from_indptr"]
 
 class PagedKV(NamedTuple):
     """One layer's latent cache: ckv [P, page_size, kv_lora_rank], kpe [P, page_size, rope_dim], and for
@@ -88,6 +88,45 @@ def slot_array(slots, num_slots: int) -> np.ndarray:
         raise ValueError(f"slot {int(a[bad[0]])} is not in [0, {num_slots})")
     return a
 
+
+
+def page_table_from_indptr(kv_indptr, kv_indices, max_pages: int | None = None, pad: int = 0) -> np.ndarray:
+    """A dense page table [requests, max_pages] (int32, the op's layout) from FlashInfer's CSR one.
+
+    FlashInfer's paged wrappers take request r's pages as kv_indices[kv_indptr[r]:kv_indptr[r + 1]]; the op
+    takes them as row r of a dense table (vLLM's block table). Entries past a request's pages are `pad` (never
+    read: the op reads only the pages of a request's length). max_pages: the table's width (default: the most
+    pages any request has; a fixed width keeps a jitted step's shapes fixed). NumPy, on the host. With
+    qo_lens = np.diff(qo_indptr) and FlashInfer's kv_len_arr as kv_lens, a FlashInfer MLA call's operands are
+    the op's (q_nope, q_pe, ckv, kpe: the same shapes).
+    """
+    indptr = np.asarray(kv_indptr)
+    indices = np.asarray(kv_indices)
+    if indptr.ndim != 1 or indptr.size < 1 or (indptr.size and indptr.dtype.kind not in "iu"):
+        raise ValueError(f"kv_indptr must be a 1-D integer array of requests + 1 offsets, got shape {indptr.shape} "
+                         f"{indptr.dtype}")
+    if indices.ndim != 1 or (indices.size and indices.dtype.kind not in "iu"):
+        raise ValueError(f"kv_indices must be a 1-D integer array of page ids, got shape {indices.shape} "
+                         f"{indices.dtype}")
+    indptr = indptr.astype(np.int64)
+    counts = np.diff(indptr)
+    if indptr[0] != 0 or (counts < 0).any() or indptr[-1] > indices.size:
+        raise ValueError(f"kv_indptr must rise from 0 to at most len(kv_indices) = {indices.size}, got "
+                         f"{indptr.tolist() if indptr.size <= 16 else indptr}")
+    used = indices[:int(indptr[-1])].astype(np.int64)
+    if used.size and (used.min() < np.iinfo(np.int32).min or used.max() > np.iinfo(np.int32).max):
+        bad = used[(used < np.iinfo(np.int32).min) | (used > np.iinfo(np.int32).max)][0]
+        raise ValueError(f"kv_indices holds page id {int(bad)}, outside int32 (the page table's type)")
+    most = int(counts.max()) if counts.size else 0
+    width = most if max_pages is None else int(max_pages)
+    if width < most:
+        raise ValueError(f"max_pages={max_pages} is less than the {most} pages request {int(counts.argmax())} has")
+    table = np.full((counts.size, width), pad, np.int32)
+    if counts.size and most:
+        rows = np.repeat(np.arange(counts.size), counts)
+        cols = np.arange(int(indptr[-1])) - np.repeat(indptr[:-1], counts)
+        table[rows, cols] = used
+    return table
 
 class PagedCacheManager:
     """Page allocator, per-request page tables and lengths, and the device page table.

@@ -448,3 +448,27 @@ def test_nan_in_gives_nan_in_the_rows_it_reaches(rng, dims, where, split, page_s
     bad = type(batch)(**b)
     args = (bad.q_nope, bad.q_pe, bad.ckv, bad.kpe, bad.page_table, bad.kv_lens, plan)
     assert_nan_rows_match(*run_ffi(*args), *run_reference(*args), OUT_TOL[BF16])
+
+
+def test_flashinfer_csr_page_table(rng):
+    """A FlashInfer-style CSR page layout (kv_indptr, kv_indices: each request's pages, in order) turned into
+    the op's dense table by page_table_from_indptr gives the op the same output as the dense table it came
+    from; the entries past a request's pages are padding the op never reads."""
+    from jax_mla import page_table_from_indptr
+
+    require_kernel(*DEEPSEEK)
+    qo, kv, ps = np.array([1, 2, 1, 3]), np.array([130, 7, 64, 300]), 16
+    b = random_paged_batch(rng, qo, kv, num_heads=8, page_size=ps, d_ckv=512, d_kpe=64, dtype=jnp.bfloat16)
+    pages = -(-kv // ps)
+    kv_indptr = np.concatenate([[0], np.cumsum(pages)])
+    kv_indices = np.concatenate([b.page_table_host[r, :pages[r]] for r in range(len(kv))])
+    table = page_table_from_indptr(kv_indptr, kv_indices, max_pages=b.page_table_host.shape[1], pad=-7)
+    for r in range(len(kv)):
+        np.testing.assert_array_equal(table[r, :pages[r]], b.page_table_host[r, :pages[r]])
+        assert (table[r, pages[r]:] == -7).all()
+    plan = plan_mla(qo, kv, num_heads=8, page_size=ps, target=SPLIT)
+    attend = functools.partial(mla_paged_attention, sm_scale=0.07, return_lse=True, backend="ffi")
+    want = attend(b.q_nope, b.q_pe, b.ckv, b.kpe, b.page_table, b.kv_lens, plan)
+    got = attend(b.q_nope, b.q_pe, b.ckv, b.kpe, jnp.asarray(table), b.kv_lens, plan)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))

@@ -83,3 +83,20 @@ def test_good_call_passes(case):
     b, plan = case
     out = call(b, plan, page_table=b.page_table_host, kv_lens=b.kv_lens_host.astype(np.int32))
     assert out.shape == (3, 4, 64) and out.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("indptr, indices, kw, match", [
+    ([[0, 1]], [3], {}, r"kv_indptr must be a 1-D integer array of requests \+ 1 offsets, got shape \(1, 2\)"),
+    ([0.0, 1.0], [3], {}, "kv_indptr must be a 1-D integer array"),
+    ([0, 2], [[3, 4]], {}, r"kv_indices must be a 1-D integer array of page ids, got shape \(1, 2\)"),
+    ([1, 2], [3, 4], {}, r"kv_indptr must rise from 0 to at most len\(kv_indices\) = 2, got \[1, 2\]"),
+    ([0, 2, 1], [3, 4], {}, r"must rise from 0 .* got \[0, 2, 1\]"),
+    ([0, 3], [3, 4], {}, r"at most len\(kv_indices\) = 2, got \[0, 3\]"),
+    ([0, 1, 3], [3, 4, 5], dict(max_pages=1), "max_pages=1 is less than the 2 pages request 1 has"),
+    ([0, 1], [2**31], {}, "kv_indices holds page id 2147483648, outside int32"),
+])
+def test_page_table_from_indptr_rejects_bad_csr(indptr, indices, kw, match):
+    from jax_mla import page_table_from_indptr
+
+    with pytest.raises(ValueError, match=match):
+        page_table_from_indptr(np.asarray(indptr), np.asarray(indices), **kw)

@@ -1,6 +1,7 @@
 """The GPU-analysis tools that run on this machine: tools/ncu_source.py on a small source page,
 tools/trace_report.py on a small timeline, tools/block_trace_report.py on a small block trace,
-tools/sass_size.py on a few lines of SASS; the standalone driver's timing plans (cases.py)."""
+tools/sass_size.py on a few lines of SASS (odd descriptors, loads' first reads); the standalone driver's timing
+plans (cases.py)."""
 
 import gzip
 import importlib.util
@@ -173,3 +174,29 @@ def test_driver_times_the_plans_the_op_runs_on_an_h200(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", ""))
     cases = _tool("cases", "tools/sanitize_harness")
     assert cases.TIMING_TARGET == default_target(H200())
+
+
+FIRST_READS = """\
+        .section        .text.kernel_c,"ax",@progbits
+.text.kernel_c:
+        /*0000*/                   LDG.E.CONSTANT R12, desc[UR24][R12.64] ;
+        /*0010*/                   IADD3 R3, R4, 0x1, RZ ;
+        /*0020*/              @!P0 R2UR UR6, R12 ;
+        /*0030*/              @!P1 LDG.E.CONSTANT R26, desc[UR24][R10.64] ;
+        /*0040*/                   LDGSTS.E.BYPASS.128 [R19], desc[UR24][R12.64], !P5 ;
+        /*0050*/                   UTMALDG.2D [UR12], [UR16], desc[UR10] ;
+        /*0060*/                   STS [R11+0x38200], R26 ;
+        /*0070*/                   LDG.E.128.CONSTANT R8, desc[UR24][R4.64] ;
+"""
+
+
+def test_sass_size_first_reads_of_loads():
+    """A load read two instructions on with nothing issued between (the hoisted length of NOTES.md's
+    twenty-eighth session), one read by a store after two loads, one never read."""
+    tool = _tool("sass_size")
+    ins, _ = tool.kernels(FIRST_READS)["kernel_c"]
+    got = [(addr, read[0] if read else None, read[2] if read else None, loads)
+           for addr, _, read, loads in tool.first_reads(ins)]
+    assert got == [(0x00, 0x20, 2, 0), (0x30, 0x60, 3, 2), (0x70, None, None, 0)]
+    assert tool.reads("@!P0 R2UR UR6, R12", "R12") and not tool.reads("LDG.E R12, desc[UR2][R4.64]", "R12")
+    assert tool.reads("STS [R11+0x38200], R26", "R26") and not tool.reads("IADD3 R12, R4, 0x1, RZ", "R12")

@@ -14,6 +14,11 @@ also flags memory instructions whose 64-bit descriptor (`desc[URn]`, which carri
 policy) names an odd uniform register: ptxas 13.0 emitted such LDGSTS, from registers it never set,
 for a cp.async with an L2 hint in a divergent branch, and the kernel died with an illegal
 instruction (ffi/cuda/NOTES.md, "Keys evict-first"); the script exits 1 when it finds one.
+With --first-reads NAME it lists, for the kernels whose mangled name contains NAME, every load into a
+register (LDG) with the first instruction that reads the register and the global loads issued in
+between: a load written to be read late that ptxas reads at once shows as a first read a few
+instructions on with nothing issued between (the device length of every block: NOTES.md, "twenty-eighth
+session").
 nvdisasm comes from the CUDA toolkit on PATH or from the PyPI wheel `nvidia-cuda-nvdisasm` (its
 binary is found inside the installed package); neither is a dependency of jax_mla.
 """
@@ -105,11 +110,44 @@ def hot_loops(ins, labels, min_wgmma=8, max_len=4000):
             yield start, length, n_wgmma, ops
 
 
+LOAD = re.compile(r"^(?:@!?U?P\w+\s+)?LDG(?:\.\w+)*\s+(R\d+),")
+GLOBAL_LOAD = re.compile(r"^(?:@!?U?P\w+\s+)?(?:LDG|LDGSTS|UTMALDG)\b")
+
+
+def reads(text: str, reg: str) -> bool:
+    """Whether the instruction reads register `reg` (a source operand; stores and branches read all)."""
+    body = re.sub(r"^@!?U?P\w+\s+", "", text)
+    op, _, args = body.partition(" ")
+    operands = [a.strip() for a in args.split(",")]
+    sources = operands if op.startswith(("ST", "RED", "ATOM", "BRA")) else operands[1:]
+    pattern = re.compile(r"\b%s\b" % reg)
+    return any(pattern.search(a) for a in sources)
+
+
+def first_reads(ins, window=600):
+    """For each LDG (address, text): the first later instruction that reads its destination register
+    (within `window` instructions, in address order), how many instructions on, and the global loads
+    issued in between. None where no read follows in the window."""
+    for i, (addr, text) in enumerate(ins):
+        m = LOAD.match(text)
+        if not m:
+            continue
+        reg, loads, found = m.group(1), 0, None
+        for j in range(i + 1, min(i + 1 + window, len(ins))):
+            if reads(ins[j][1], reg):
+                found = (ins[j][0], ins[j][1], j - i)
+                break
+            if GLOBAL_LOAD.match(ins[j][1]):
+                loads += 1
+        yield addr, text, found, loads
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--src", type=pathlib.Path, default=ROOT / "ffi/cuda")
     ap.add_argument("--defines", default="", help="comma-separated nvcc flags, e.g. --defines=-DA,-DB=2")
     ap.add_argument("--cubin", type=pathlib.Path, help="read this cubin instead of compiling")
+    ap.add_argument("--first-reads", metavar="NAME", help="list the loads of the kernels whose name contains NAME")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cubin = args.cubin or pathlib.Path(tmp) / "mla.cubin"
@@ -126,6 +164,17 @@ def main() -> None:
         for addr, text in odd_descriptors(ins):
             bad += 1
             print(f"        ODD DESCRIPTOR at {addr:#x}: {text}")
+    if args.first_reads:
+        for name, (ins, _) in sorted(found.items()):
+            if args.first_reads not in name:
+                continue
+            print(f"\nloads of {name}:")
+            for addr, text, read, loads in first_reads(ins):
+                if read:
+                    print(f"  {addr:#07x} {text[:56]:56s} first read {read[2]:4d} on at {read[0]:#x}: "
+                          f"{read[1][:48]}; {loads} global loads between")
+                else:
+                    print(f"  {addr:#07x} {text[:56]:56s} no read in the next 600 instructions")
     if bad:
         sys.exit(f"{bad} instructions with an odd descriptor register (see the header)")
 

@@ -89,7 +89,6 @@ def slot_array(slots, num_slots: int) -> np.ndarray:
     return a
 
 
-
 def page_table_from_indptr(kv_indptr, kv_indices, max_pages: int | None = None, pad: int = 0) -> np.ndarray:
     """A dense page table [requests, max_pages] (int32, the op's layout) from FlashInfer's CSR one.
 
@@ -102,7 +101,7 @@ def page_table_from_indptr(kv_indptr, kv_indices, max_pages: int | None = None, 
     """
     indptr = np.asarray(kv_indptr)
     indices = np.asarray(kv_indices)
-    if indptr.ndim != 1 or indptr.size < 1 or (indptr.size and indptr.dtype.kind not in "iu"):
+    if indptr.ndim != 1 or indptr.size < 1 or indptr.dtype.kind not in "iu":
         raise ValueError(f"kv_indptr must be a 1-D integer array of requests + 1 offsets, got shape {indptr.shape} "
                          f"{indptr.dtype}")
     if indices.ndim != 1 or (indices.size and indices.dtype.kind not in "iu"):
@@ -127,6 +126,7 @@ def page_table_from_indptr(kv_indptr, kv_indices, max_pages: int | None = None, 
         cols = np.arange(int(indptr[-1])) - np.repeat(indptr[:-1], counts)
         table[rows, cols] = used
     return table
+
 
 class PagedCacheManager:
     """Page allocator, per-request page tables and lengths, and the device page table.

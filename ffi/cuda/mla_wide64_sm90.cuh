@@ -234,7 +234,8 @@ __device__ __forceinline__ void wide64_load_raw(const KeyTensorMaps& maps, uint3
 // one key: NOTES.md, "twenty-sixth session".) Each thread arrives on a half's tile barriers once its
 // copies land (noinc: 128 arrivals a tile). Keys past the range or on a page id outside the cache are
 // zero-filled and masked key by key (keymask_addr, written by the warpgroup that gathers half 0 and
-// published on tile 0's barrier by lane 0 of each warp: 4 more arrivals). The S warpgroup fences for the async proxy after each wait (wide64_scores).
+// published on tile 0's barrier by lane 0 of each warp: 4 more arrivals). The S warpgroup fences for
+// the async proxy after each wait (wide64_scores).
 // Cache rows are int: a cache of 2^31 rows would be 2 TiB of latent.
 //
 // Pages of 8 or 16 keys (the kPageBoxes instance: maps made with a box of one page, mla_launch.cuh) and a

@@ -8,6 +8,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import export
 
 from . import _ffi
 from ._validate import check_attention_args
@@ -61,8 +62,6 @@ def export_disabled_checks() -> list:
 
         exported = jax.export.export(jax.jit(step), disabled_checks=jax_mla.export_disabled_checks())(*args)
     """
-    from jax import export
-
     return [export.DisabledSafetyCheck.custom_call(_ffi.ATTENTION_TARGET)]
 
 

@@ -113,9 +113,10 @@ def page_table_from_indptr(kv_indptr, kv_indices, max_pages: int | None = None, 
         raise ValueError(f"kv_indptr must rise from 0 to at most len(kv_indices) = {indices.size}, got "
                          f"{indptr.tolist() if indptr.size <= 16 else indptr}")
     used = indices[:int(indptr[-1])].astype(np.int64)
-    if used.size and (used.min() < np.iinfo(np.int32).min or used.max() > np.iinfo(np.int32).max):
-        bad = used[(used < np.iinfo(np.int32).min) | (used > np.iinfo(np.int32).max)][0]
-        raise ValueError(f"kv_indices holds page id {int(bad)}, outside int32 (the page table's type)")
+    int32 = np.iinfo(np.int32)
+    outside = (used < int32.min) | (used > int32.max)
+    if outside.any():
+        raise ValueError(f"kv_indices holds page id {int(used[outside][0])}, outside int32 (the page table's type)")
     most = int(counts.max()) if counts.size else 0
     width = most if max_pages is None else int(max_pages)
     if width < most:

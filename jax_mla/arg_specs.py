@@ -132,7 +132,7 @@ class ArgSpec:
         if self.bad_pages:  # keys on these pages are skipped by every backend
             host = batch.page_table_host.copy()
             host[0, 0] = -3
-            host[-1, 0] = batch.ckv.shape[0] + 7
+            host[-1, 0] = batch.ckv.shape[0]  # the first id past the cache (an off-by-one reads the row after it)
             pages0 = -(-int(kv[0]) // self.page_size)
             if pages0 >= 8:  # and one inside a long range, away from the unit's first block
                 host[0, pages0 // 2] = -1

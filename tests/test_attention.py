@@ -349,6 +349,7 @@ def test_out_of_range_device_values_are_clipped(rng):
                                dtype=F32)
     num_pages = batch.ckv.shape[0]
     table = batch.page_table_host.copy()
+    table[5, 0] = num_pages  # the first id past the cache: its first key would be the row after the buffer
     table[2, 0] = -7
     table[3, 1] = num_pages + 11
     table[4, -1] = 2**31 - 1

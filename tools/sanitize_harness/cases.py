@@ -125,7 +125,7 @@ def make(d, specs, checked=True, keep=None):
             at += n
         if spec.bad_pages:
             table[0, 0] = -3
-            table[-1, 0] = num_pages + 7
+            table[-1, 0] = num_pages  # the first id past the cache (an off-by-one reads the row after it)
         target = (spec.plan_target() or case_split_target()) if checked else PROFILE_TARGET
         plan = plan_mla(qo, kv, num_heads=h, page_size=ps, num_tokens=t, target=target)
         code = DTYPES[dt]

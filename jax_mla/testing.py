@@ -63,6 +63,22 @@ def poison_unseen(cache, page_table, kv_lens, page_size):
     return jnp.where(jnp.asarray(seen)[..., None], cache, jnp.nan).astype(cache.dtype)
 
 
+def with_bad_pages(batch: PagedBatch, count: int, rng: np.random.Generator) -> PagedBatch:
+    """`batch` with `count` of the page-table entries its requests use replaced by ids outside the
+    cache: -1, -3, the first id past it (num_pages: an off-by-one reads the row after the buffer),
+    num_pages + 1, 2^31 - 1. Every backend skips the keys on them (the reference masks them)."""
+    num_pages, page_size = batch.ckv.shape[0], batch.ckv.shape[1]
+    used = [(r, j) for r, n in enumerate(np.asarray(batch.kv_lens_host)) for j in range(-(-int(n) // page_size))]
+    if not used or count <= 0:
+        return batch
+    ids = (-1, -3, num_pages, num_pages + 1, 2**31 - 1)
+    table = batch.page_table_host.copy()
+    for k in rng.choice(len(used), size=min(count, len(used)), replace=False):
+        r, j = used[k]
+        table[r, j] = ids[rng.integers(len(ids))]
+    return dataclasses.replace(batch, page_table=jnp.asarray(table), page_table_host=table)
+
+
 def rel_err(x, ref) -> float:
     x = np.asarray(x, np.float64)
     ref = np.asarray(ref, np.float64)
@@ -105,16 +121,19 @@ class ProblemSpec:
     padding_tokens: int
     split: bool
     seed: int
+    bad_pages: int = 0  # page-table entries of the requests' ranges on ids outside the cache
 
     def build(self, d_ckv: int, d_kpe: int):
         """(batch, plan): random inputs of this spec; `split` plans for many small units (every long
-        request is split and merged), else for one worker (nothing is split)."""
+        request is split and merged), else for one worker (nothing is split); `bad_pages` entries of
+        the page table moved off the cache (`with_bad_pages`)."""
         from .planner import plan_mla
         qo, kv = np.array(self.qo_lens, np.int64), np.array(self.kv_lens, np.int64)
         num_tokens = int(qo.sum()) + self.padding_tokens
         batch = random_paged_batch(np.random.default_rng(self.seed), qo, kv, num_heads=self.num_heads,
                                    page_size=self.page_size, d_ckv=d_ckv, d_kpe=d_kpe,
                                    dtype=jnp.dtype(self.dtype), num_tokens=num_tokens)
+        batch = with_bad_pages(batch, self.bad_pages, np.random.default_rng([self.seed, 1]))
         target = split_target() if self.split else no_split_target()
         plan = plan_mla(qo, kv, num_heads=self.num_heads, page_size=self.page_size, num_tokens=num_tokens,
                         target=target)
@@ -124,7 +143,7 @@ class ProblemSpec:
 def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 130):
     """A hypothesis strategy of `ProblemSpec`s over random ragged batches: zero-length requests and
     padding tokens, page sizes 1-256, 1-`max_heads` heads (odd counts included), q_len 0-8, fp16 / bf16
-    / f32, split or not. Shared by the property tests (tests/test_properties.py), which also run on
+    / f32, split or not, up to three page ids outside the cache. Shared by the property tests (tests/test_properties.py), which also run on
     the GPU through scripts/gpu_check.sh. Needs hypothesis (a test dependency)."""
     from hypothesis import strategies as st
 
@@ -141,6 +160,6 @@ def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 13
                            page_size=draw(st.sampled_from(SUPPORTED_PAGE_SIZES)),
                            dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
                            padding_tokens=draw(st.integers(0, 3)), split=draw(st.booleans()),
-                           seed=draw(st.integers(0, 2**32 - 1)))
+                           seed=draw(st.integers(0, 2**32 - 1)), bad_pages=draw(st.integers(0, 3)))
 
     return problem()

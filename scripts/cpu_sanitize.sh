@@ -38,10 +38,9 @@ JAX_MLA_CUDA=OFF JAX_MLA_BUILD_TOOLS=OFF "$SAN/venv/bin/python" -m pip install -
   -Ccmake.define.JAX_MLA_CUDA=OFF -Ccmake.define.JAX_MLA_BUILD_TOOLS=OFF "-Ccmake.define.CMAKE_CXX_FLAGS=$FLAGS"
 
 export LD_PRELOAD="$ASAN_LIB:$UBSAN_LIB"
-# Leaks: CPython and jaxlib keep allocations until exit by design. The shadow gap: jaxlib maps
-# memory there.
 # Reports go to files (pytest captures the tests' stderr, and an aborted process would lose it);
-# they are printed below.
+# they are printed below. No leak check: CPython and jaxlib keep allocations until exit by design.
+# protect_shadow_gap=0: jaxlib maps memory there.
 REPORTS="$(pwd)/$SAN/reports"
 rm -rf "$REPORTS" && mkdir -p "$REPORTS"
 export ASAN_OPTIONS="detect_leaks=0:protect_shadow_gap=0:abort_on_error=1:log_path=$REPORTS/asan"

@@ -54,7 +54,7 @@ class ArgSpec:
     dtype: str = "bfloat16"
     padding: int = 0           # query tokens after the last request's, covered by no request
     device_kv_lens: tuple | None = None  # what the device sees, below the planned lengths
-    bad_pages: bool = False    # two page ids outside the cache inside the kv range
+    bad_pages: bool = False    # page ids outside the cache inside the kv range (mark_bad_pages)
     split: bool = False        # plan for many small units (`case_split_target`): splits and merges everywhere
     whole: bool = False        # one unit per request (`testing.no_split_target`): long units
     kv_dtype: str | None = None  # the latent cache's dtype when not `dtype`: "float8_e4m3fn" (kpe stays dtype)
@@ -112,6 +112,20 @@ class ArgSpec:
         from .testing import no_split_target
         return case_split_target() if self.split else no_split_target() if self.whole else None
 
+    def mark_bad_pages(self, table: np.ndarray, num_pages: int, kv_lens: np.ndarray) -> None:
+        """Where `bad_pages`, moves entries of the host page table off the cache, in place: request 0's
+        first page to -3, the last request's first to num_pages (the first id past the cache: an
+        off-by-one reads the row after it) and, where request 0 has 8+ pages, one in the middle of its
+        range to -1 (away from the unit's first block). Every backend skips the keys on them. The JAX
+        tests (`build`) and the standalone driver's cases (tools/sanitize_harness/cases.py) both call it."""
+        if not self.bad_pages:
+            return
+        table[0, 0] = -3
+        table[-1, 0] = num_pages
+        pages0 = -(-int(kv_lens[0]) // self.page_size)
+        if pages0 >= 8:
+            table[0, pages0 // 2] = -1
+
     def build(self, rng: np.random.Generator, *, d_ckv: int = 512, d_kpe: int = 64):
         """(batch, plan, page_table, device kv_lens, cache scales): random inputs of this spec and its
         plan; the page table and device lengths carry the spec's irregularities; an fp8 spec's
@@ -129,13 +143,9 @@ class ArgSpec:
         plan = plan_mla(qo, kv, num_heads=self.heads, page_size=self.page_size, num_tokens=t,
                         target=self.plan_target())
         table = batch.page_table
-        if self.bad_pages:  # keys on these pages are skipped by every backend
+        if self.bad_pages:
             host = batch.page_table_host.copy()
-            host[0, 0] = -3
-            host[-1, 0] = batch.ckv.shape[0]  # the first id past the cache (an off-by-one reads the row after it)
-            pages0 = -(-int(kv[0]) // self.page_size)
-            if pages0 >= 8:  # and one inside a long range, away from the unit's first block
-                host[0, pages0 // 2] = -1
+            self.mark_bad_pages(host, batch.ckv.shape[0], kv)
             table = jnp.asarray(host)
         kv_dev = batch.kv_lens if self.device_kv_lens is None else jnp.asarray(self.device_kv_lens, jnp.int32)
         scales = {}

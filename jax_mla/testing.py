@@ -143,8 +143,9 @@ class ProblemSpec:
 def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 130):
     """A hypothesis strategy of `ProblemSpec`s over random ragged batches: zero-length requests and
     padding tokens, page sizes 1-256, 1-`max_heads` heads (odd counts included), q_len 0-8, fp16 / bf16
-    / f32, split or not, up to three page ids outside the cache. Shared by the property tests (tests/test_properties.py), which also run on
-    the GPU through scripts/gpu_check.sh. Needs hypothesis (a test dependency)."""
+    / f32, split or not, up to three page ids outside the cache. Shared by the property tests
+    (tests/test_properties.py), which also run on the GPU through scripts/gpu_check.sh. Needs
+    hypothesis (a test dependency)."""
     from hypothesis import strategies as st
 
     from .planner import SUPPORTED_PAGE_SIZES

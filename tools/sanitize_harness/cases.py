@@ -123,9 +123,7 @@ def make(d, specs, checked=True, keep=None):
         for r, n in enumerate(need):
             table[r, :n] = perm[at:at + n]
             at += n
-        if spec.bad_pages:
-            table[0, 0] = -3
-            table[-1, 0] = num_pages  # the first id past the cache (an off-by-one reads the row after it)
+        spec.mark_bad_pages(table, num_pages, kv)
         target = (spec.plan_target() or case_split_target()) if checked else PROFILE_TARGET
         plan = plan_mla(qo, kv, num_heads=h, page_size=ps, num_tokens=t, target=target)
         code = DTYPES[dt]

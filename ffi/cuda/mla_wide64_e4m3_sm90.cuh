@@ -251,6 +251,7 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
       }
     }
   }
+  const CacheScales scales = cache_scales<kCache>(p);  // read while the queries land (wide64_warpgroup)
   cp_async_wait_all();
   named_barrier_sync(W::kBoth, W::kThreads);
 
@@ -258,7 +259,6 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
   // (dims 128 q ..), its rope part times 2^k_r rope_factor in T, in place. Both warpgroups hold rows
   // 16 warp + g (+ 8) and find the same k_r; each writes half of the row (latent chunks 32 HALF + t4 + 4 j,
   // rope chunk 64 + 4 HALF + t4) once every staged chunk is read.
-  const CacheScales scales = cache_scales<kCache>(p);
   float scale_log2[2] = {p.scale_log2 * scales.score, p.scale_log2 * scales.score};
   {
     float factor[2];

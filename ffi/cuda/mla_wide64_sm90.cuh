@@ -581,6 +581,9 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     }
   }
   JAX_MLA_TRACE_AT(0, 1);
+  // An fp8 cache's scales, read while the queries land: read after the barrier below, their round trip
+  // came after the queries' (each thread waits for the load where it is read, here).
+  const CacheScales scales = cache_scales<kCache>(p);
   if constexpr (kGather) {
     cp_async_wait<0>();  // the queries' group only
   } else {
@@ -591,7 +594,6 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   JAX_MLA_TRACE_AT(0, 2);
   // The softmax scale in base 2 of the thread's rows (times an fp8 cache's s_c, and over the power
   // of two its queries were scaled by: then per row).
-  const CacheScales scales = cache_scales<kCache>(p);
   float scale_log2[2] = {p.scale_log2 * scales.score, p.scale_log2 * scales.score};
   if constexpr (kFp8) {
     wide_prepare_queries_fp8<T, HALF>(

@@ -229,8 +229,6 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, co
   float* mstat = reinterpret_cast<float*>(gbase + N::MSTAT_OFF);
   float* lstat = reinterpret_cast<float*>(gbase + N::LSTAT_OFF);
 
-  const CacheScales scales = cache_scales<kCache>(p);
-  const float scale_log2 = p.scale_log2 * scales.score;
   const int kv_begin = u.kv_begin;
   const int* pt_row = page_table_row(p, u);
   int key_bound = early_key_bound(p, u);  // until finish_unit below
@@ -323,6 +321,11 @@ __device__ __forceinline__ void attend_unit_narrow_fp8_sm90(const Problem& p, co
   }
   load_query_tile<T, N::ROWS, kThreads>(p, u, h0, hb, rows, tid, [&](int r, int c) { return s_q + swz(r, c); });
   cp_async_commit();
+  // The cache's scales, read once the prologue's copies are in flight: each thread waits for the load
+  // where the value is first used, and read at the top (before the producer warpgroup left) every block
+  // waited for them before it requested a page id (SASS; NOTES.md, "twenty-eighth session").
+  const CacheScales scales = cache_scales<kCache>(p);
+  const float scale_log2 = p.scale_log2 * scales.score;
   finish_unit(p, u);
   key_bound = u.range_end;
   num_blocks = (u.range_end - kv_begin + N::BK - 1) / N::BK;

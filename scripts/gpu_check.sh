@@ -91,7 +91,7 @@ fi
 if (has check || has quickcheck) && [ $built -eq 0 ]; then
   note check
   subset=(); has check || subset=(-k small_spec)  # quickcheck: the `small` shapes only
-  timeout ${CHECK_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/test_arg_specs.py ${subset[@]+"${subset[@]}"} 2>&1 \
+  timeout ${CHECK_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider tests/test_arg_specs.py ${subset[@]+"${subset[@]}"} 2>&1 \
     | tee "$LOGS/check.log" | tail -20
   [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; [ -n "${KEEP_GOING:-}" ] || built=1; }  # wrong kernels: skip the rest
 fi

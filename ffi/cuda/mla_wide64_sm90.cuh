@@ -500,15 +500,15 @@ template <typename T, int kCache, int HALF, bool kGather = false, bool kPageBoxe
 __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                  int hb, uint32_t base_in) {
   using W = Wide64Sm90;
+  using MT = LatentMmaType<T, kCache>;
+  constexpr bool kFp8 = kCache == kCacheFp8Ckv;
   // An fp8 ckv: base broadcast from lane 0, so that ptxas knows it is warp-uniform. Without it ptxas kept
   // base in a vector register in the fp8 instance (whose conversions hold more values), built every
   // wgmma descriptor there and moved it to the uniform datapath per wgmma: 197 and 184 R2URs in the two
   // warpgroups' loops (the 16-bit instance's: 20 and 16), loops of 1,685 and 1,736 instructions against
   // 1,484 and 1,640 with the broadcast (NOTES.md, "twenty-eighth session"). In the 16-bit instance the
   // broadcast made WG1's loop worse (16 -> 105 R2URs), so it is not used there.
-  const uint32_t base = kCache == kCacheFp8Ckv ? __shfl_sync(0xffffffffu, base_in, 0) : base_in;
-  using MT = LatentMmaType<T, kCache>;
-  constexpr bool kFp8 = kCache == kCacheFp8Ckv;
+  const uint32_t base = kFp8 ? __shfl_sync(0xffffffffu, base_in, 0) : base_in;
   static_assert(!kGather || kCache == kCacheAsQuery, "gathered blocks: a 16-bit cache");
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;

@@ -70,15 +70,9 @@ __global__ void __launch_bounds__(kThreads) mla_attention_f32_kernel(const Probl
     }
     const float inv = l != 0.f ? 1.f / l : 0.f;  // l = 0: no key, zeros; NaN l (a NaN score) stays NaN
     const float lse = l != 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
-    float* dst;
-    if (u.partial_row < 0) {
-      dst = static_cast<float*>(p.out) + tok_head * kDimCkv;
-      if (lane == 0) p.lse[tok_head] = lse;
-    } else {
-      const size_t prow = (size_t)(u.partial_row + i) * p.num_heads + h;
-      dst = static_cast<float*>(p.partial_o) + prow * kDimCkv;
-      if (lane == 0) p.partial_lse[prow] = lse;
-    }
+    const UnitDest d = unit_dest(p, u, i, h);
+    float* dst = static_cast<float*>(d.out) + d.row * kDimCkv;
+    if (lane == 0) d.lse[d.row] = lse;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       *reinterpret_cast<float4*>(dst + lane * 16 + 4 * k) =

@@ -115,6 +115,20 @@ struct Unit {
   int range_end;      // one past the last key any token of the unit sees
 };
 
+// Where the unit's row of local token i and head h goes: row `row` of out (T) and lse, or, for a split
+// unit, of its partial rows (in the output's type, as out) and their LSEs for the merge. One
+// definition for every epilogue.
+struct UnitDest {
+  void* out;   // T rows of kDimCkv
+  float* lse;
+  size_t row;
+};
+__device__ __forceinline__ UnitDest unit_dest(const Problem& p, const Unit& u, int i, int h) {
+  const bool split = u.partial_row >= 0;
+  return {split ? p.partial_o : p.out, split ? p.partial_lse : p.lse,
+          (size_t)((split ? u.partial_row : u.q_start) + i) * p.num_heads + h};
+}
+
 // Keys [0, visible) that local token i of the unit sees: causal, aligned to the
 // end of the request's query block, never beyond the device length.
 __device__ __forceinline__ int visible_keys(const Unit& u, int i) {

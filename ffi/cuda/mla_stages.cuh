@@ -93,15 +93,14 @@ __device__ __forceinline__ void store_tile_row(const Problem& p, const Unit& u, 
   const float inv = l != 0.f ? out_scale / l : 0.f;
   const float lse = l != 0.f ? (m_log2 + __log2f(l)) * kLn2 : -INFINITY;
   const int i = r / hb, h = h0 + r % hb;
-  const bool split = u.partial_row >= 0;
-  const size_t row = (size_t)((split ? u.partial_row : u.q_start) + i) * p.num_heads + h;
-  uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(split ? p.partial_o : p.out) + row * kDimCkv + col0);
+  const UnitDest d = unit_dest(p, u, i, h);
+  uint32_t* dst = reinterpret_cast<uint32_t*>(static_cast<T*>(d.out) + d.row * kDimCkv + col0);
 #pragma unroll
   for (int j = 0; j < NPAIRS; ++j) {
     const float2 v = pair(j);
     dst[(j / GROUP) * STRIDE + j % GROUP] = pack2<T>(v.x * inv, v.y * inv);
   }
-  if (write_lse) (split ? p.partial_lse : p.lse)[row] = lse;
+  if (write_lse) d.lse[d.row] = lse;
 }
 
 }  // namespace cuda

@@ -169,7 +169,6 @@ __device__ __forceinline__ void e4m3_store(const Problem& p, const Unit& u, int 
   };
   publish_row_sums<HALF>(l_run, r, t4, sum_ptr);
   named_barrier_sync(W::kBoth, W::kThreads);
-  const bool split = u.partial_row >= 0;
   constexpr int pitch = kStagedRowPitch<T>;
   const uint32_t stage = base + W::K_OFF;
   float inv[16];
@@ -196,12 +195,12 @@ __device__ __forceinline__ void e4m3_store(const Problem& p, const Unit& u, int 
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     if (HALF == 0 && t4 == 0 && r[e] < rows) {
-      store_row_lse(p, u, h0, hb, r[e], split, m_run[e], *sum_ptr(0, r[e]) + *sum_ptr(1, r[e]));
+      store_row_lse(p, u, h0, hb, r[e], m_run[e], *sum_ptr(0, r[e]) + *sum_ptr(1, r[e]));
     }
   }
   fence_proxy_async_shared();  // the rows reach the bulk copies' reads
   named_barrier_sync(W::kBoth, W::kThreads);
-  copy_staged_rows<T>(p, u, h0, hb, rows, split, stage, threadIdx.x);
+  copy_staged_rows<T>(p, u, h0, hb, rows, stage, threadIdx.x);
 }
 
 // One warpgroup of the e4m3 body (HALF = 0: WG0, block A; 1: WG1, block B).

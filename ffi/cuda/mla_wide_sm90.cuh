@@ -646,15 +646,10 @@ __device__ __forceinline__ void accumulator_rows(const Unit& u, int warp, int g,
 }
 
 // A tile row's LSE (natural log) from its base-2 max and row sum, into lse or a split's partial_lse.
-__device__ __forceinline__ void store_row_lse(const Problem& p, const Unit& u, int h0, int hb, int row, bool split,
-                                              float m, float l) {
-  const float lse = l != 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
-  const int i = row / hb, h = h0 + row % hb;
-  if (split) {
-    p.partial_lse[(size_t)(u.partial_row + i) * p.num_heads + h] = lse;
-  } else {
-    p.lse[(size_t)(u.q_start + i) * p.num_heads + h] = lse;
-  }
+__device__ __forceinline__ void store_row_lse(const Problem& p, const Unit& u, int h0, int hb, int row, float m,
+                                              float l) {
+  const UnitDest d = unit_dest(p, u, row / hb, h0 + row % hb);
+  d.lse[d.row] = l != 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
 }
 // Bytes between two staged rows of T: 16 bytes of padding put the fragments' 4-byte stores of a warp
 // (rows g, columns 2 t4) in distinct banks.
@@ -665,12 +660,11 @@ constexpr int kStagedRowPitch = kDimCkv * (int)sizeof(T) + 16;
 // rows: one bulk copy a row by thread ctid < rows, which waits for the copy's reads (the block's shared
 // memory must outlive them). The caller fences and synchronises the staging threads first.
 template <typename T>
-__device__ __forceinline__ void copy_staged_rows(const Problem& p, const Unit& u, int h0, int hb, int rows, bool split,
+__device__ __forceinline__ void copy_staged_rows(const Problem& p, const Unit& u, int h0, int hb, int rows,
                                                  uint32_t stage, int ctid) {
   if (ctid < rows) {
-    const int i = ctid / hb, h = h0 + ctid % hb;
-    const size_t row = (size_t)((split ? u.partial_row : u.q_start) + i) * p.num_heads + h;
-    T* dst = static_cast<T*>(split ? p.partial_o : p.out) + row * kDimCkv;
+    const UnitDest d = unit_dest(p, u, ctid / hb, h0 + ctid % hb);
+    T* dst = static_cast<T*>(d.out) + d.row * kDimCkv;
     bulk_copy_s2g(dst, stage + ctid * kStagedRowPitch<T>, kDimCkv * sizeof(T));
     bulk_commit_and_wait_read();
   }
@@ -703,7 +697,6 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
                                                  SumPtr sum_ptr, int barrier, int threads, uint32_t stage, int ctid) {
   publish_row_sums<HALF>(l_run, r, t4, sum_ptr);
   named_barrier_sync(barrier, threads);
-  const bool split = u.partial_row >= 0;
   constexpr int pitch = kStagedRowPitch<T>;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -715,11 +708,11 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
       const int col = HALF * 256 + 8 * j + 2 * t4;
       st_shared_u32(row + col * (int)sizeof(T), pack2<T>(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv));
     }
-    if (HALF == 0 && t4 == 0 && r[e] < rows) store_row_lse(p, u, h0, hb, r[e], split, m_run[e], l);
+    if (HALF == 0 && t4 == 0 && r[e] < rows) store_row_lse(p, u, h0, hb, r[e], m_run[e], l);
   }
   fence_proxy_async_shared();  // the rows reach the bulk copies' reads
   named_barrier_sync(barrier, threads);
-  copy_staged_rows<T>(p, u, h0, hb, rows, split, stage, ctid);
+  copy_staged_rows<T>(p, u, h0, hb, rows, stage, ctid);
 }
 // Shared memory the staged rows of store_two_halves take (16-bit T: the wgmma bodies' query types).
 constexpr int kStagedRowsBytes = kRowsPerTile * kStagedRowPitch<__half>;

@@ -133,8 +133,7 @@ class ArgSpec:
         import jax.numpy as jnp
 
         from .planner import plan_mla
-        from .quant import fp8_scale, quantize_fp8
-        from .testing import random_paged_batch
+        from .testing import quantize_cache, random_paged_batch
 
         qo, kv = self.lengths()
         t = int(qo.sum()) + self.padding
@@ -148,14 +147,9 @@ class ArgSpec:
             self.mark_bad_pages(host, batch.ckv.shape[0], kv)
             table = jnp.asarray(host)
         kv_dev = batch.kv_lens if self.device_kv_lens is None else jnp.asarray(self.device_kv_lens, jnp.int32)
-        scales = {}
         if self.kv_dtype is not None and jnp.dtype(self.kv_dtype) == jnp.float8_e4m3fn:
-            scales["ckv_scale"] = fp8_scale(batch.ckv)
-            batch.ckv = quantize_fp8(batch.ckv, scales["ckv_scale"])
-            if self.kpe_fp8:
-                scales["kpe_scale"] = fp8_scale(batch.kpe)
-                batch.kpe = quantize_fp8(batch.kpe, scales["kpe_scale"])
-        return batch, plan, table, kv_dev, scales
+            batch = quantize_cache(batch, kpe_fp8=self.kpe_fp8)
+        return batch, plan, table, kv_dev, batch.scales
 
 
 def case_split_target():

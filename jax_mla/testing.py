@@ -20,9 +20,16 @@ class PagedBatch:
     qo_lens: np.ndarray
     kv_lens_host: np.ndarray
     page_table_host: np.ndarray
+    ckv_scale: jax.Array | None = None  # an fp8 ckv's scale (value = fp8 x scale); None: ckv in the query dtype
+    kpe_scale: jax.Array | None = None  # an fp8 kpe's
 
     def args(self, plan):
         return (self.q_nope, self.q_pe, self.ckv, self.kpe, self.page_table, self.kv_lens, plan)
+
+    @property
+    def scales(self) -> dict:
+        """The cache's scales as the op's keyword arguments (empty for a cache in the query dtype)."""
+        return {k: v for k, v in (("ckv_scale", self.ckv_scale), ("kpe_scale", self.kpe_scale)) if v is not None}
 
 
 def random_paged_batch(rng: np.random.Generator, qo_lens, kv_lens, *, num_heads, page_size,
@@ -47,6 +54,17 @@ def random_paged_batch(rng: np.random.Generator, qo_lens, kv_lens, *, num_heads,
                       ckv=f(num_pages, page_size, d_ckv), kpe=f(num_pages, page_size, d_kpe),
                       page_table=jnp.asarray(table), kv_lens=jnp.asarray(kv_lens, jnp.int32),
                       qo_lens=qo_lens, kv_lens_host=kv_lens, page_table_host=table)
+
+
+def quantize_cache(batch: PagedBatch, kpe_fp8: bool = False) -> PagedBatch:
+    """`batch` with its ckv (and its kpe where kpe_fp8) in float8_e4m3fn, each with a scale from its data
+    (amax / 448, `fp8_scale`), kept in `batch.ckv_scale` / `batch.kpe_scale`: the fp8 cache of these values."""
+    from .quant import fp8_scale, quantize_fp8
+    ckv_scale = fp8_scale(batch.ckv)
+    kpe_scale = fp8_scale(batch.kpe) if kpe_fp8 else None
+    kpe = batch.kpe if kpe_scale is None else quantize_fp8(batch.kpe, kpe_scale)
+    return dataclasses.replace(batch, ckv=quantize_fp8(batch.ckv, ckv_scale), kpe=kpe, ckv_scale=ckv_scale,
+                               kpe_scale=kpe_scale)
 
 
 def poison_unseen(cache, page_table, kv_lens, page_size):
@@ -110,6 +128,10 @@ def no_split_target():
     return PlanTarget(num_workers=1, units_per_worker=1.0, min_chunk=1 << 20)
 
 
+# The caches a random problem may hold: in the query dtype, an e4m3 ckv (kpe in the query dtype), both e4m3.
+CACHE_KINDS = ("query", "fp8_ckv", "fp8_ckv_kpe")
+
+
 @dataclasses.dataclass(frozen=True)
 class ProblemSpec:
     """One random op problem: what `paged_problems` draws and `build` turns into a batch and a plan."""
@@ -122,17 +144,27 @@ class ProblemSpec:
     split: bool
     seed: int
     bad_pages: int = 0  # page-table entries of the requests' ranges on ids outside the cache
+    cache: str = "query"  # one of CACHE_KINDS
+
+    def __post_init__(self):
+        if self.cache not in CACHE_KINDS:
+            raise ValueError(f"cache={self.cache!r} is not one of {CACHE_KINDS}")
+        if self.cache != "query" and self.dtype == "float32":
+            raise ValueError(f"cache={self.cache!r} takes bfloat16 or float16 queries, not dtype='float32'")
 
     def build(self, d_ckv: int, d_kpe: int):
         """(batch, plan): random inputs of this spec; `split` plans for many small units (every long
         request is split and merged), else for one worker (nothing is split); `bad_pages` entries of
-        the page table moved off the cache (`with_bad_pages`)."""
+        the page table moved off the cache (`with_bad_pages`); an fp8 `cache` quantized from the random
+        values with scales from the data (`quantize_cache`)."""
         from .planner import plan_mla
         qo, kv = np.array(self.qo_lens, np.int64), np.array(self.kv_lens, np.int64)
         num_tokens = int(qo.sum()) + self.padding_tokens
         batch = random_paged_batch(np.random.default_rng(self.seed), qo, kv, num_heads=self.num_heads,
                                    page_size=self.page_size, d_ckv=d_ckv, d_kpe=d_kpe,
                                    dtype=jnp.dtype(self.dtype), num_tokens=num_tokens)
+        if self.cache != "query":
+            batch = quantize_cache(batch, kpe_fp8=self.cache == "fp8_ckv_kpe")
         batch = with_bad_pages(batch, self.bad_pages, np.random.default_rng([self.seed, 1]))
         target = split_target() if self.split else no_split_target()
         plan = plan_mla(qo, kv, num_heads=self.num_heads, page_size=self.page_size, num_tokens=num_tokens,
@@ -140,15 +172,21 @@ class ProblemSpec:
         return batch, plan
 
 
-def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 130):
+def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 130, caches=("query",)):
     """A hypothesis strategy of `ProblemSpec`s over random ragged batches: zero-length requests and
     padding tokens, page sizes 1-256, 1-`max_heads` heads (odd counts included), q_len 0-8, fp16 / bf16
-    / f32, split or not, up to three page ids outside the cache. Shared by the property tests
+    / f32, split or not, up to three page ids outside the cache, a cache of one of `caches` (from
+    CACHE_KINDS; fp8 caches with fp16 / bf16 queries). Shared by the property tests
     (tests/test_properties.py), which also run on the GPU through scripts/gpu_check.sh. Needs
     hypothesis (a test dependency)."""
     from hypothesis import strategies as st
 
     from .planner import SUPPORTED_PAGE_SIZES
+
+    caches = tuple(caches)
+    if not caches or any(c not in CACHE_KINDS for c in caches):
+        raise ValueError(f"caches={caches!r} must be a non-empty selection of {CACHE_KINDS}")
+    dtypes = ["float32", "bfloat16", "float16"] if "query" in caches else ["bfloat16", "float16"]
 
     @st.composite
     def problem(draw):
@@ -156,11 +194,12 @@ def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 13
         qo = draw(st.lists(st.integers(0, 8), min_size=n, max_size=n))
         # kv includes the new tokens; a zero-length request has none of either
         kv = [q + draw(st.integers(0, max_kv)) if q or draw(st.booleans()) else 0 for q in qo]
-        return ProblemSpec(qo_lens=tuple(qo), kv_lens=tuple(kv),
-                           num_heads=draw(st.integers(1, max_heads)),
-                           page_size=draw(st.sampled_from(SUPPORTED_PAGE_SIZES)),
-                           dtype=draw(st.sampled_from(["float32", "bfloat16", "float16"])),
-                           padding_tokens=draw(st.integers(0, 3)), split=draw(st.booleans()),
-                           seed=draw(st.integers(0, 2**32 - 1)), bad_pages=draw(st.integers(0, 3)))
+        spec = dict(num_heads=draw(st.integers(1, max_heads)), page_size=draw(st.sampled_from(SUPPORTED_PAGE_SIZES)),
+                    dtype=draw(st.sampled_from(dtypes)), padding_tokens=draw(st.integers(0, 3)),
+                    split=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)),
+                    bad_pages=draw(st.integers(0, 3)))
+        # drawn last, so that the 16-bit problems of a given seed are those drawn before fp8 was added
+        cache = "query" if caches == ("query",) or spec["dtype"] == "float32" else draw(st.sampled_from(caches))
+        return ProblemSpec(qo_lens=tuple(qo), kv_lens=tuple(kv), cache=cache, **spec)
 
     return problem()

@@ -28,16 +28,29 @@ def test_kernel_matches_reference_on_random_problems(spec):
     check_against_reference(batch, plan)
 
 
+@BOUNDED
+@given(spec=paged_problems(caches=("fp8_ckv", "fp8_ckv_kpe")))
+def test_fp8_cache_matches_reference_on_random_problems(spec):
+    """The same random problems on an fp8 cache (e4m3 ckv, kpe in the query dtype or e4m3 too; scales from
+    the data), against the float32 reference on the dequantized cache: on sm_90a every fp8 body takes
+    some of them (narrow units, the producer body below 64 heads or on small pages, the 64-key body, the
+    portable body for an fp8 kpe)."""
+    require_kernel(*DIMS)
+    batch, plan = spec.build(*DIMS)
+    assert batch.scales, spec
+    check_against_reference(batch, plan)
+
+
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(spec=paged_problems(max_kv=600, max_heads=64))
+@given(spec=paged_problems(max_kv=600, max_heads=64, caches=("query", "fp8_ckv", "fp8_ckv_kpe")))
 def test_bitwise_deterministic(spec):
     """The same inputs give the same bits from call to call (no atomics, fixed reduction and merge
     orders; on CPU, whatever the thread count: test_attention.test_cpu_threads_do_not_change_results)."""
     require_kernel(*DIMS)
     batch, plan = spec.build(*DIMS)
-    first = [np.asarray(x.astype(jnp.float32)) for x in run_ffi(*batch.args(plan))]
+    first = [np.asarray(x.astype(jnp.float32)) for x in run_ffi(*batch.args(plan), **batch.scales)]
     for _ in range(2):
-        again = [np.asarray(x.astype(jnp.float32)) for x in run_ffi(*batch.args(plan))]
+        again = [np.asarray(x.astype(jnp.float32)) for x in run_ffi(*batch.args(plan), **batch.scales)]
         for a, b in zip(first, again):
             np.testing.assert_array_equal(a, b)

@@ -145,18 +145,27 @@ class ProblemSpec:
     seed: int
     bad_pages: int = 0  # page-table entries of the requests' ranges on ids outside the cache
     cache: str = "query"  # one of CACHE_KINDS
+    # The lengths the op gets on the device, each at most the plan's (kv_lens); None: the plan's.
+    device_kv_lens: tuple | None = None
+    return_lse: bool = True
 
     def __post_init__(self):
         if self.cache not in CACHE_KINDS:
             raise ValueError(f"cache={self.cache!r} is not one of {CACHE_KINDS}")
         if self.cache != "query" and self.dtype == "float32":
             raise ValueError(f"cache={self.cache!r} takes bfloat16 or float16 queries, not dtype='float32'")
+        if self.device_kv_lens is not None and (
+                len(self.device_kv_lens) != len(self.kv_lens)
+                or any(not 0 <= d <= k for d, k in zip(self.device_kv_lens, self.kv_lens))):
+            raise ValueError(f"device_kv_lens={self.device_kv_lens!r} must give each request a length in "
+                             f"[0, kv_lens] (kv_lens={self.kv_lens!r})")
 
     def build(self, d_ckv: int, d_kpe: int):
         """(batch, plan): random inputs of this spec; `split` plans for many small units (every long
         request is split and merged), else for one worker (nothing is split); `bad_pages` entries of
         the page table moved off the cache (`with_bad_pages`); an fp8 `cache` quantized from the random
-        values with scales from the data (`quantize_cache`)."""
+        values with scales from the data (`quantize_cache`); batch.kv_lens, the device lengths, are
+        `device_kv_lens` where given (the plan is made for kv_lens)."""
         from .planner import plan_mla
         qo, kv = np.array(self.qo_lens, np.int64), np.array(self.kv_lens, np.int64)
         num_tokens = int(qo.sum()) + self.padding_tokens
@@ -166,6 +175,8 @@ class ProblemSpec:
         if self.cache != "query":
             batch = quantize_cache(batch, kpe_fp8=self.cache == "fp8_ckv_kpe")
         batch = with_bad_pages(batch, self.bad_pages, np.random.default_rng([self.seed, 1]))
+        if self.device_kv_lens is not None:
+            batch = dataclasses.replace(batch, kv_lens=jnp.asarray(self.device_kv_lens, jnp.int32))
         target = split_target() if self.split else no_split_target()
         plan = plan_mla(qo, kv, num_heads=self.num_heads, page_size=self.page_size, num_tokens=num_tokens,
                         target=target)
@@ -176,7 +187,8 @@ def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 13
     """A hypothesis strategy of `ProblemSpec`s over random ragged batches: zero-length requests and
     padding tokens, page sizes 1-256, 1-`max_heads` heads (odd counts included), q_len 0-8, fp16 / bf16
     / f32, split or not, up to three page ids outside the cache, a cache of one of `caches` (from
-    CACHE_KINDS; fp8 caches with fp16 / bf16 queries). Shared by the property tests
+    CACHE_KINDS; fp8 caches with fp16 / bf16 queries), device lengths below the plan's for some
+    requests, with or without the LSE. Shared by the property tests
     (tests/test_properties.py), which also run on the GPU through scripts/gpu_check.sh. Needs
     hypothesis (a test dependency)."""
     from hypothesis import strategies as st
@@ -198,8 +210,12 @@ def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 13
                     dtype=draw(st.sampled_from(dtypes)), padding_tokens=draw(st.integers(0, 3)),
                     split=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)),
                     bad_pages=draw(st.integers(0, 3)))
-        # drawn last, so that the 16-bit problems of a given seed are those drawn before fp8 was added
+        # drawn after the rest, so that a seed's problems keep what they drew before these were added
         cache = "query" if caches == ("query",) or spec["dtype"] == "float32" else draw(st.sampled_from(caches))
-        return ProblemSpec(qo_lens=tuple(qo), kv_lens=tuple(kv), cache=cache, **spec)
+        device = None  # some requests' device lengths below the plan's: keys past them are never read
+        if draw(st.booleans()):
+            device = tuple(draw(st.integers(0, k)) if draw(st.booleans()) else k for k in kv)
+        return ProblemSpec(qo_lens=tuple(qo), kv_lens=tuple(kv), cache=cache, device_kv_lens=device,
+                           return_lse=draw(st.booleans()), **spec)
 
     return problem()

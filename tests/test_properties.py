@@ -41,6 +41,18 @@ def test_fp8_cache_matches_reference_on_random_problems(spec):
     check_against_reference(batch, plan, return_lse=spec.return_lse)
 
 
+@settings(max_examples=15, deadline=None, derandomize=True, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(spec=paged_problems(caches=("fp8_ckv",), min_heads=48))
+def test_fp8_products_on_random_problems(spec):
+    """fp8_products on random problems with an e4m3 ckv and 48-130 heads: on sm_90a the full 64-row tiles on
+    pages of 32+ keys take the lossy e4m3 body (a kernel instance of its own), the other units the accurate
+    bodies; the output within the option's bounds, nothing read past a length or off the cache."""
+    require_kernel(*DIMS)
+    batch, plan = spec.build(*DIMS)
+    check_against_reference(batch, plan, return_lse=spec.return_lse, fp8_products=True)
+
+
 @settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(spec=paged_problems(max_kv=600, max_heads=64, caches=("query", "fp8_ckv", "fp8_ckv_kpe")))

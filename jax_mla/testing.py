@@ -186,12 +186,11 @@ class ProblemSpec:
 def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 130, caches=("query",),
                    min_heads: int = 1):
     """A hypothesis strategy of `ProblemSpec`s over random ragged batches: zero-length requests and
-    padding tokens, page sizes 1-256, `min_heads`-`max_heads` heads (odd counts included), q_len 0-8, fp16 / bf16
-    / f32, split or not, up to three page ids outside the cache, a cache of one of `caches` (from
-    CACHE_KINDS; fp8 caches with fp16 / bf16 queries), device lengths below the plan's for some
-    requests, with or without the LSE. Shared by the property tests
-    (tests/test_properties.py), which also run on the GPU through scripts/gpu_check.sh. Needs
-    hypothesis (a test dependency)."""
+    padding tokens, page sizes 1-256, `min_heads`-`max_heads` heads (odd counts included), q_len 0-8,
+    fp16 / bf16 / f32, split or not, up to three page ids outside the cache, a cache of one of `caches`
+    (from CACHE_KINDS; fp8 caches with fp16 / bf16 queries), device lengths below the plan's for some
+    requests, with or without the LSE. Shared by the property tests (tests/test_properties.py), which
+    also run on the GPU through scripts/gpu_check.sh. Needs hypothesis (a test dependency)."""
     from hypothesis import strategies as st
 
     from .planner import SUPPORTED_PAGE_SIZES
@@ -207,11 +206,11 @@ def paged_problems(max_requests: int = 5, max_kv: int = 300, max_heads: int = 13
         qo = draw(st.lists(st.integers(0, 8), min_size=n, max_size=n))
         # kv includes the new tokens; a zero-length request has none of either
         kv = [q + draw(st.integers(0, max_kv)) if q or draw(st.booleans()) else 0 for q in qo]
-        spec = dict(num_heads=draw(st.integers(min_heads, max_heads)), page_size=draw(st.sampled_from(SUPPORTED_PAGE_SIZES)),
-                    dtype=draw(st.sampled_from(dtypes)), padding_tokens=draw(st.integers(0, 3)),
-                    split=draw(st.booleans()), seed=draw(st.integers(0, 2**32 - 1)),
-                    bad_pages=draw(st.integers(0, 3)))
-        # drawn after the rest, so that a seed's problems keep what they drew before these were added
+        spec = dict(num_heads=draw(st.integers(min_heads, max_heads)),
+                    page_size=draw(st.sampled_from(SUPPORTED_PAGE_SIZES)), dtype=draw(st.sampled_from(dtypes)),
+                    padding_tokens=draw(st.integers(0, 3)), split=draw(st.booleans()),
+                    seed=draw(st.integers(0, 2**32 - 1)), bad_pages=draw(st.integers(0, 3)))
+        # drawn after the rest, so that the draws above keep the values they had before these were added
         cache = "query" if caches == ("query",) or spec["dtype"] == "float32" else draw(st.sampled_from(caches))
         device = None  # some requests' device lengths below the plan's: keys past them are never read
         if draw(st.booleans()):

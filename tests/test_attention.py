@@ -36,7 +36,9 @@ OUT_TOL = {F32: 1e-5, BF16: 6e-3, F16: 2e-3}
 LSE_ATOL = {F32: 1e-4, BF16: 1e-3, F16: 1e-3}
 # An fp8 cache against the float32 reference on its dequantized values (issue 10): the kernels round fp8 x
 # scale once to the MMA type; the scores carry the rope queries' rescale by 1 / ckv_scale, rounded to the
-# query type (mla_fp8.cuh). The same bounds as tests/test_fp8.py and the fp8 arg specs.
+# query type (mla_fp8.cuh). The bounds of tests/test_fp8.py and the fp8 arg specs on their shapes; on random
+# problems with bf16 queries the output's own rounding to bf16 took the CPU handler to 2.4e-3 (d_ckv 64), so
+# there check_against_reference keeps bf16's bound.
 FP8_OUT_TOL = 3e-3
 FP8_LSE_ATOL = 5e-3
 # fp8_products: on sm_90a the 64-key units multiply e4m3 queries and probabilities, ~3-5e-2 from the reference
@@ -108,7 +110,7 @@ def check_against_reference(batch, plan, *, page_table=None, kv_lens=None, retur
     ref_out, ref_lse = np.asarray(ref_out), np.asarray(ref_lse)
     assert np.isfinite(out).all(), "kernel output has NaN/inf (read an unseen cache slot?)"
     err = rel_err(out, ref_out)
-    tol = FP8_PRODUCTS_OUT_TOL if fp8_products else FP8_OUT_TOL if fp8 else OUT_TOL[dtype]
+    tol = FP8_PRODUCTS_OUT_TOL if fp8_products else max(FP8_OUT_TOL, OUT_TOL[dtype]) if fp8 else OUT_TOL[dtype]
     assert err < tol, f"relative error {err:.2e} >= {tol:.0e} ({dtype}{', fp8 cache' if fp8 else ''})"
     empty = np.isneginf(ref_lse)  # rows that see no key: padding tokens, empty requests
     assert (out[empty] == 0).all(), "rows that see no key must be exactly zero"

@@ -1,6 +1,6 @@
 """The GPU-analysis tools that run on this machine: tools/ncu_source.py on a small source page,
 tools/trace_report.py on a small timeline, tools/block_trace_report.py on a small block trace,
-tools/sass_size.py on a few lines of SASS (odd descriptors, loads' first reads); the standalone driver's timing
+tools/sass_size.py on a few lines of SASS (odd descriptors, loads' first reads, a build against a baseline); the standalone driver's timing
 plans (cases.py)."""
 
 import gzip
@@ -200,3 +200,38 @@ def test_sass_size_first_reads_of_loads():
     assert got == [(0x00, 0x20, 2, 0), (0x30, 0x60, 3, 2), (0x70, None, None, 0)]
     assert tool.reads("@!P0 R2UR UR6, R12", "R12") and not tool.reads("LDG.E R12, desc[UR2][R4.64]", "R12")
     assert tool.reads("STS [R11+0x38200], R26", "R26") and not tool.reads("IADD3 R12, R4, 0x1, RZ", "R12")
+
+
+def _two_kernels(first_label: int, add_in_b: str = "") -> str:
+    """Two kernels whose branches name labels by cubin-wide numbers starting at first_label."""
+    a, b = first_label, first_label + 1
+    return f"""\
+        .section        .text.kernel_a,"ax",@progbits
+.text.kernel_a:
+        /*0000*/                   ISETP.GE.AND P0, PT, R0, RZ, PT ;
+        /*0010*/               @P0 BRA `(.L_x_{a}) ;
+        /*0020*/                   IADD3 R1, R1, 0x1, RZ ;
+.L_x_{a}:
+        /*0030*/                   EXIT ;
+        .section        .text.kernel_b,"ax",@progbits
+.text.kernel_b:
+        /*0000*/                   BRA `(.L_x_{b}) ;
+{add_in_b}.L_x_{b}:
+        /*0010*/                   EXIT ;
+"""
+
+
+def test_sass_size_baseline_ignores_label_numbers_and_names_what_differs():
+    """The same code with labels numbered from elsewhere in the cubin is the same; an added instruction,
+    or a kernel only one build has, is not."""
+    tool = _tool("sass_size")
+    base = tool.kernels(_two_kernels(7))
+    assert tool.compare(tool.kernels(_two_kernels(1200)), base) == {"kernel_a": None, "kernel_b": None}
+    grown = tool.kernels(_two_kernels(1200, "        /*0010*/                   NOP ;\n"))
+    got = tool.compare(grown, base)
+    assert got["kernel_a"] is None and got["kernel_b"].startswith("2 -> 3 instructions")
+    # a branch to another place is a difference, though the label's number is the same
+    moved = tool.kernels(_two_kernels(7).replace("@P0 BRA `(.L_x_7)", "@P0 BRA `(.L_x_8)"))
+    assert tool.compare(moved, base)["kernel_a"] is not None
+    del base["kernel_b"]
+    assert tool.compare(grown, base)["kernel_b"] == "only in this build"

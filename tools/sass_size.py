@@ -14,6 +14,11 @@ also flags memory instructions whose 64-bit descriptor (`desc[URn]`, which carri
 policy) names an odd uniform register: ptxas 13.0 emitted such LDGSTS, from registers it never set,
 for a cp.async with an L2 hint in a divergent branch, and the kernel died with an illegal
 instruction (ffi/cuda/NOTES.md, "Keys evict-first"); the script exits 1 when it finds one.
+With --baseline DIR_OR_CUBIN it compares every kernel's SASS with another build's (a directory of kernel
+sources, e.g. from `scripts/driver_ab.sh --export HEAD DIR`, compiled with the same --defines, or a cubin),
+label numbers aside, and exits 1 if any kernel differs: a refactor meant to leave the kernels alone can be
+checked on a machine without a GPU (helpers that compute the same values have changed ptxas's register
+allocation and spilled: ffi/cuda/NOTES.md, "fourth session" and "thirty-third session").
 With --first-reads NAME it lists, for the kernels whose mangled name contains NAME, every load into a
 register (LDG) with the first instruction that reads the register and the global loads issued in
 between: a load written to be read late that ptxas reads at once shows as a first read a few
@@ -110,6 +115,32 @@ def hot_loops(ins, labels, min_wgmma=8, max_len=4000):
             yield start, length, n_wgmma, ops
 
 
+LABEL_REF = re.compile(r"\.L_x_\d+")
+
+
+def canonical(ins, labels) -> list[str]:
+    """A kernel's instruction texts with each label named by its address in the kernel instead of its
+    number (nvdisasm numbers labels across the whole cubin, so one kernel's change renumbers the next)."""
+    return [LABEL_REF.sub(lambda m: f"@{labels.get(m.group(0), -1):#x}", t) for _, t in ins]
+
+
+def compare(found, base):
+    """Per kernel of either build: None where its SASS is the same in both, else a line saying how it
+    differs."""
+    out = {}
+    for name in sorted(set(found) | set(base)):
+        if name not in base or name not in found:
+            out[name] = "only in " + ("this build" if name in found else "the baseline")
+            continue
+        a, b = canonical(*found[name]), canonical(*base[name])
+        if a != b:
+            diff = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
+            out[name] = f"{len(b)} -> {len(a)} instructions, {diff} positions differ"
+        else:
+            out[name] = None
+    return out
+
+
 LOAD = re.compile(r"^(?:@!?U?P\w+\s+)?LDG(?:\.\w+)*\s+(R\d+),")
 GLOBAL_LOAD = re.compile(r"^(?:@!?U?P\w+\s+)?(?:LDG|LDGSTS|UTMALDG)\b")
 
@@ -148,12 +179,23 @@ def main() -> None:
     ap.add_argument("--defines", default="", help="comma-separated nvcc flags, e.g. --defines=-DA,-DB=2")
     ap.add_argument("--cubin", type=pathlib.Path, help="read this cubin instead of compiling")
     ap.add_argument("--first-reads", metavar="NAME", help="list the loads of the kernels whose name contains NAME")
+    ap.add_argument("--baseline", type=pathlib.Path, metavar="DIR_OR_CUBIN",
+                    help="compare every kernel's SASS with this build's (kernel sources or a cubin)")
     args = ap.parse_args()
+    defines = [d for d in args.defines.split(",") if d]
+
+    def disassemble(cubin: pathlib.Path | None, src: pathlib.Path, tmp: str, name: str) -> str:
+        if cubin is None:
+            cubin = pathlib.Path(tmp) / name
+            build_cubin(src.resolve(), defines, cubin)
+        return subprocess.run([find_nvdisasm(), str(cubin)], check=True, capture_output=True, text=True).stdout
+
     with tempfile.TemporaryDirectory() as tmp:
-        cubin = args.cubin or pathlib.Path(tmp) / "mla.cubin"
-        if not args.cubin:
-            build_cubin(args.src.resolve(), [d for d in args.defines.split(",") if d], cubin)
-        sass = subprocess.run([find_nvdisasm(), str(cubin)], check=True, capture_output=True, text=True).stdout
+        sass = disassemble(args.cubin, args.src, tmp, "mla.cubin")
+        base_sass = None
+        if args.baseline:
+            is_dir = args.baseline.is_dir()
+            base_sass = disassemble(None if is_dir else args.baseline, args.baseline, tmp, "baseline.cubin")
     found = kernels(sass)
     bad = 0
     for name, (ins, labels) in sorted(found.items(), key=lambda kv: -len(kv[1][0])):
@@ -175,8 +217,16 @@ def main() -> None:
                           f"{read[1][:48]}; {loads} global loads between")
                 else:
                     print(f"  {addr:#07x} {text[:56]:56s} no read in the next 600 instructions")
+    changed = 0
+    if base_sass is not None:
+        print(f"\nSASS against the baseline ({args.baseline}), label numbers aside:")
+        for name, how in compare(found, kernels(base_sass)).items():
+            changed += how is not None
+            print(f"  {'same' if how is None else 'DIFFERS'}  {name}" + (f": {how}" if how else ""))
     if bad:
         sys.exit(f"{bad} instructions with an odd descriptor register (see the header)")
+    if changed:
+        sys.exit(f"{changed} kernels' SASS differs from the baseline's")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,16 @@ inline constexpr bool kWide64SInFlight = true;
 #else
 inline constexpr bool kWide64SInFlight = false;
 #endif
+// WG0's P_A V_A as two N = 128 wgmmas, block A + 2's tiles 0-1 issued as soon as the first is done
+// (-DJAX_MLA_WIDE64_SPLIT_PV: an experiment, off by default; NOTES.md, "thirty-third session"). WG0's S
+// of block A + 2 waits ~1,300 cycles for tiles 0-3 ("fourth session"): their refill is issued only once
+// the whole P V has read them, one tile every ~130 cycles from one thread. Split, tiles 0-1 go in while
+// the second half runs and tiles 2-3 right after it. 16-bit cache, blocks by TMA only.
+#ifdef JAX_MLA_WIDE64_SPLIT_PV
+inline constexpr bool kWide64SplitPv = true;
+#else
+inline constexpr bool kWide64SplitPv = false;
+#endif
 // The wait at the end of a trip (kTop false) or at the top of the next (kTop true): one of the two
 // is empty.
 template <bool kTop, int N>
@@ -463,6 +473,16 @@ __device__ __forceinline__ void wide64_pv(float (&o)[128], const uint32_t (&pa)[
   for (int kk = 0; kk < W::KSTEPS; ++kk)
     wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_desc_at(v_lo, HALF * 4 * W::TILE + kk * 2048), 1);
 }
+// Half H of that product: O[:, 256 HALF + 128 H : +128] from V tiles 4 HALF + 2 H and + 1.
+template <typename T, int HALF, int H>
+__device__ __forceinline__ void wide64_pv_half(float (&o)[128], const uint32_t (&pa)[Wide64Sm90::KSTEPS][4],
+                                               uint32_t kbuf) {
+  using W = Wide64Sm90;
+  const uint32_t v_lo = sw128_mn_desc_lo(opaque(kbuf), W::TILE);
+#pragma unroll
+  for (int kk = 0; kk < W::KSTEPS; ++kk)
+    wgmma_64x128_rs_mn<T, H>(o, pa[kk], sw128_desc_at(v_lo, (HALF * 4 + 2 * H) * W::TILE + kk * 2048), 1);
+}
 template <typename T, int HALF>
 __device__ __forceinline__ void wide64_pv_shared_p(float (&o)[128], uint32_t p_panel, uint32_t kbuf) {
   using W = Wide64Sm90;
@@ -709,13 +729,34 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       if (a_partial) wide64_zero_rows<0>(kb0, last_rows, tid);
       JAX_MLA_TRACE_AT(pair + 1, 2);
       wgmma_fence();
-      wide64_pv<MT, 0>(o, pa, kb0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_registers(o);
-      fence_fragments(pa);
+      constexpr bool kSplitPv = kWide64SplitPv && !kGather && !kFp8;
+      if constexpr (kSplitPv) {
+        wide64_pv_half<MT, 0, 0>(o, pa, kb0);
+        wgmma_commit();
+        wide64_pv_half<MT, 0, 1>(o, pa, kb0);
+        wgmma_commit();
+        wgmma_wait<1>();  // tiles 0-1 of block A are read: block A + 2's go in, its mask first
+        Wide64Rows b{};
+        if (tid == 0 && next_a) {
+          b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
+          st_shared_u32(W::mask_addr(base, blk_a + 2), b.ok);
+          wide64_load_tiles<0, 2>(maps, base, 0, b);
+        }
+        wgmma_wait<0>();
+        fence_registers(o);
+        fence_fragments(pa);
+        if (tid == 0 && next_a) wide64_load_tiles<2, 4>(maps, base, 0, b);  // and tiles 2-3
+      } else {
+        wide64_pv<MT, 0>(o, pa, kb0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(o);
+        fence_fragments(pa);
+      }
       JAX_MLA_TRACE_AT(pair + 1, 3);
-      if constexpr (kGather) {  // block A's tiles 0-3 are read: block A + 2's go in
+      if constexpr (kSplitPv) {
+        // (refilled above)
+      } else if constexpr (kGather) {  // block A's tiles 0-3 are read: block A + 2's go in
         if (next_a) wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 0, blk_a + 2, pages_a, tid);
       } else if (tid == 0 && next_a) {  // block A's tiles 0-3 are read: block A + 2's go in (fp8: its raw latent)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);

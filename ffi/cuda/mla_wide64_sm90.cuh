@@ -57,15 +57,18 @@ inline constexpr bool kWide64SInFlight = true;
 #else
 inline constexpr bool kWide64SInFlight = false;
 #endif
-// WG0's P_A V_A as two N = 128 wgmmas, block A + 2's tiles 0-1 issued as soon as the first is done
-// (-DJAX_MLA_WIDE64_SPLIT_PV: an experiment, off by default; NOTES.md, "thirty-third session"). WG0's S
-// of block A + 2 waits ~1,300 cycles for tiles 0-3 ("fourth session"): their refill is issued only once
-// the whole P V has read them, one tile every ~130 cycles from one thread. Split, tiles 0-1 go in while
-// the second half runs and tiles 2-3 right after it. 16-bit cache, blocks by TMA only.
+// The P Vs from registers as two N = 128 wgmmas each, the first half's V tiles refilled as soon as it
+// is done (-DJAX_MLA_WIDE64_SPLIT_PV=1: WG0's P_A V_A, =2: WG1's P_B V_B, =3: both;
+// an experiment, off by default; NOTES.md, "thirty-third session"). WG0's S of block A + 2 waits ~1,300
+// cycles for tiles 0-3 ("fourth session"): their refill is issued only once the whole P V has read
+// them, one tile every ~130 cycles from one thread. Split, tiles 0-1 go in while the second half runs
+// and tiles 2-3 right after it; WG1 likewise refills block B + 2's tiles 4-5 after its first half, and
+// 6-8 where it refilled 4-8 before. 16-bit cache, blocks by TMA only. (-DJAX_MLA_WIDE64_SPLIT_PV with
+// no value is 1.)
 #ifdef JAX_MLA_WIDE64_SPLIT_PV
-inline constexpr bool kWide64SplitPv = true;
+inline constexpr int kWide64SplitPv = JAX_MLA_WIDE64_SPLIT_PV;
 #else
-inline constexpr bool kWide64SplitPv = false;
+inline constexpr int kWide64SplitPv = 0;
 #endif
 // The wait at the end of a trip (kTop false) or at the top of the next (kTop true): one of the two
 // is empty.
@@ -729,7 +732,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       if (a_partial) wide64_zero_rows<0>(kb0, last_rows, tid);
       JAX_MLA_TRACE_AT(pair + 1, 2);
       wgmma_fence();
-      constexpr bool kSplitPv = kWide64SplitPv && !kGather && !kFp8;
+      constexpr bool kSplitPv = (kWide64SplitPv & 1) && !kGather && !kFp8;
       if constexpr (kSplitPv) {
         wide64_pv_half<MT, 0, 0>(o, pa, kb0);
         wgmma_commit();
@@ -883,8 +886,22 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       // P_B V_B, which then adds 0 times block A's half (see WG0's).
       if (a_partial) wide64_zero_rows<1>(kb0, last_rows, tid);
       wgmma_fence();
-      wide64_pv<MT, 1>(o, pb, has_b ? kb1 : kb0);
-      wgmma_commit();
+      constexpr bool kSplitPv = (kWide64SplitPv & 2) && !kGather && !kFp8;
+      Wide64Rows rows_b{};
+      if constexpr (kSplitPv) {
+        wide64_pv_half<MT, 1, 0>(o, pb, has_b ? kb1 : kb0);
+        wgmma_commit();
+        wide64_pv_half<MT, 1, 1>(o, pb, has_b ? kb1 : kb0);
+        wgmma_commit();
+        wgmma_wait<1>();  // block B's tiles 4-5 are read: block B + 2's go in
+        if (tid == 0 && next_b) {
+          rows_b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);
+          wide64_load_tiles<4, 6>(maps, base, 1, rows_b);
+        }
+      } else {
+        wide64_pv<MT, 1>(o, pb, has_b ? kb1 : kb0);
+        wgmma_commit();
+      }
       JAX_MLA_TRACE_AT(pair + 1, 4);
       handoff_wait(W::kP0Ready, base, parity);
       JAX_MLA_TRACE_AT(pair + 1, 5);
@@ -893,7 +910,9 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       wgmma_wait<1>();
       fence_fragments(pb);
       JAX_MLA_TRACE_AT(pair + 1, 6);
-      if constexpr (kGather) {  // block B's tiles 4-8 are read
+      if constexpr (kSplitPv) {  // and tiles 6-8
+        if (tid == 0 && next_b) wide64_load_tiles<6, 9>(maps, base, 1, rows_b);
+      } else if constexpr (kGather) {  // block B's tiles 4-8 are read
         if (next_b) wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 1, blk_b + 2, pages_b, tid);
       } else if (tid == 0 && next_b) {  // block B's tiles 4-8 are read (fp8: block B + 2 whole goes in)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);

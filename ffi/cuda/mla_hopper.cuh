@@ -308,23 +308,6 @@ __device__ __forceinline__ void wgmma_64x32_ss(float (&d)[16], uint64_t desc_a, 
                   "r"(accumulate))
 #endif
 }
-// O[:, 128 H : +128] += P V over one k16 step of keys: one half of the 64 x 256 tile above as its own
-// wgmma (N = 128; d[64 H ..] are that half's columns in the accumulator layout), so that the V tiles of
-// the first half can be refilled before the second half is done (-DJAX_MLA_WIDE64_SPLIT_PV).
-// clang-format off
-#define JAX_MLA_F8H(i) "+f"(d[64 * H + i]), "+f"(d[64 * H + i + 1]), "+f"(d[64 * H + i + 2]), "+f"(d[64 * H + i + 3]), \
-                       "+f"(d[64 * H + i + 4]), "+f"(d[64 * H + i + 5]), "+f"(d[64 * H + i + 6]), "+f"(d[64 * H + i + 7])
-#define JAX_MLA_D64H() JAX_MLA_F8H(0), JAX_MLA_F8H(8), JAX_MLA_F8H(16), JAX_MLA_F8H(24), JAX_MLA_F8H(32), JAX_MLA_F8H(40), JAX_MLA_F8H(48), JAX_MLA_F8H(56)
-#define JAX_MLA_R64 JAX_MLA_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-// clang-format on
-template <typename T, int H>
-__device__ __forceinline__ void wgmma_64x128_rs_mn(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b,
-                                                   int accumulate) {
-#ifdef JAX_MLA_HAS_WGMMA
-  JAX_MLA_WGMMA_T("m64n128k16", JAX_MLA_R64, JAX_MLA_D64H, "{%64, %65, %66, %67}, %68", "%69", "1, 1, 1",
-                  "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
-#endif
-}
 // O += P V over one k16 step of keys: D 64 x 256, A = P from registers, B = V MN-major.
 template <typename T>
 __device__ __forceinline__ void wgmma_64x256_rs_mn(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b,

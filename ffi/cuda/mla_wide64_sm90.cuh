@@ -57,19 +57,6 @@ inline constexpr bool kWide64SInFlight = true;
 #else
 inline constexpr bool kWide64SInFlight = false;
 #endif
-// The P Vs from registers as two N = 128 wgmmas each, the first half's V tiles refilled as soon as it
-// is done (-DJAX_MLA_WIDE64_SPLIT_PV=1: WG0's P_A V_A, =2: WG1's P_B V_B, =3: both;
-// an experiment, off by default; NOTES.md, "thirty-third session"). WG0's S of block A + 2 waits ~1,300
-// cycles for tiles 0-3 ("fourth session"): their refill is issued only once the whole P V has read
-// them, one tile every ~130 cycles from one thread. Split, tiles 0-1 go in while the second half runs
-// and tiles 2-3 right after it; WG1 likewise refills block B + 2's tiles 4-5 after its first half, and
-// 6-8 where it refilled 4-8 before. 16-bit cache, blocks by TMA only. (-DJAX_MLA_WIDE64_SPLIT_PV with
-// no value is 1.)
-#ifdef JAX_MLA_WIDE64_SPLIT_PV
-inline constexpr int kWide64SplitPv = JAX_MLA_WIDE64_SPLIT_PV;
-#else
-inline constexpr int kWide64SplitPv = 0;
-#endif
 // The wait at the end of a trip (kTop false) or at the top of the next (kTop true): one of the two
 // is empty.
 template <bool kTop, int N>
@@ -476,16 +463,6 @@ __device__ __forceinline__ void wide64_pv(float (&o)[128], const uint32_t (&pa)[
   for (int kk = 0; kk < W::KSTEPS; ++kk)
     wgmma_64x256_rs_mn<T>(o, pa[kk], sw128_desc_at(v_lo, HALF * 4 * W::TILE + kk * 2048), 1);
 }
-// Half H of that product: O[:, 256 HALF + 128 H : +128] from V tiles 4 HALF + 2 H and + 1.
-template <typename T, int HALF, int H>
-__device__ __forceinline__ void wide64_pv_half(float (&o)[128], const uint32_t (&pa)[Wide64Sm90::KSTEPS][4],
-                                               uint32_t kbuf) {
-  using W = Wide64Sm90;
-  const uint32_t v_lo = sw128_mn_desc_lo(opaque(kbuf), W::TILE);
-#pragma unroll
-  for (int kk = 0; kk < W::KSTEPS; ++kk)
-    wgmma_64x128_rs_mn<T, H>(o, pa[kk], sw128_desc_at(v_lo, (HALF * 4 + 2 * H) * W::TILE + kk * 2048), 1);
-}
 template <typename T, int HALF>
 __device__ __forceinline__ void wide64_pv_shared_p(float (&o)[128], uint32_t p_panel, uint32_t kbuf) {
   using W = Wide64Sm90;
@@ -732,34 +709,13 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       if (a_partial) wide64_zero_rows<0>(kb0, last_rows, tid);
       JAX_MLA_TRACE_AT(pair + 1, 2);
       wgmma_fence();
-      constexpr bool kSplitPv = (kWide64SplitPv & 1) && !kGather && !kFp8;
-      if constexpr (kSplitPv) {
-        wide64_pv_half<MT, 0, 0>(o, pa, kb0);
-        wgmma_commit();
-        wide64_pv_half<MT, 0, 1>(o, pa, kb0);
-        wgmma_commit();
-        wgmma_wait<1>();  // tiles 0-1 of block A are read: block A + 2's go in, its mask first
-        Wide64Rows b{};
-        if (tid == 0 && next_a) {
-          b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
-          st_shared_u32(W::mask_addr(base, blk_a + 2), b.ok);
-          wide64_load_tiles<0, 2>(maps, base, 0, b);
-        }
-        wgmma_wait<0>();
-        fence_registers(o);
-        fence_fragments(pa);
-        if (tid == 0 && next_a) wide64_load_tiles<2, 4>(maps, base, 0, b);  // and tiles 2-3
-      } else {
-        wide64_pv<MT, 0>(o, pa, kb0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers(o);
-        fence_fragments(pa);
-      }
+      wide64_pv<MT, 0>(o, pa, kb0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_fragments(pa);
       JAX_MLA_TRACE_AT(pair + 1, 3);
-      if constexpr (kSplitPv) {
-        // (refilled above)
-      } else if constexpr (kGather) {  // block A's tiles 0-3 are read: block A + 2's go in
+      if constexpr (kGather) {  // block A's tiles 0-3 are read: block A + 2's go in
         if (next_a) wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 0, blk_a + 2, pages_a, tid);
       } else if (tid == 0 && next_a) {  // block A's tiles 0-3 are read: block A + 2's go in (fp8: its raw latent)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
@@ -886,22 +842,8 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       // P_B V_B, which then adds 0 times block A's half (see WG0's).
       if (a_partial) wide64_zero_rows<1>(kb0, last_rows, tid);
       wgmma_fence();
-      constexpr bool kSplitPv = (kWide64SplitPv & 2) && !kGather && !kFp8;
-      Wide64Rows rows_b{};
-      if constexpr (kSplitPv) {
-        wide64_pv_half<MT, 1, 0>(o, pb, has_b ? kb1 : kb0);
-        wgmma_commit();
-        wide64_pv_half<MT, 1, 1>(o, pb, has_b ? kb1 : kb0);
-        wgmma_commit();
-        wgmma_wait<1>();  // block B's tiles 4-5 are read: block B + 2's go in
-        if (tid == 0 && next_b) {
-          rows_b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);
-          wide64_load_tiles<4, 6>(maps, base, 1, rows_b);
-        }
-      } else {
-        wide64_pv<MT, 1>(o, pb, has_b ? kb1 : kb0);
-        wgmma_commit();
-      }
+      wide64_pv<MT, 1>(o, pb, has_b ? kb1 : kb0);
+      wgmma_commit();
       JAX_MLA_TRACE_AT(pair + 1, 4);
       handoff_wait(W::kP0Ready, base, parity);
       JAX_MLA_TRACE_AT(pair + 1, 5);
@@ -910,9 +852,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       wgmma_wait<1>();
       fence_fragments(pb);
       JAX_MLA_TRACE_AT(pair + 1, 6);
-      if constexpr (kSplitPv) {  // and tiles 6-8
-        if (tid == 0 && next_b) wide64_load_tiles<6, 9>(maps, base, 1, rows_b);
-      } else if constexpr (kGather) {  // block B's tiles 4-8 are read
+      if constexpr (kGather) {  // block B's tiles 4-8 are read
         if (next_b) wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 1, blk_b + 2, pages_b, tid);
       } else if (tid == 0 && next_b) {  // block B's tiles 4-8 are read (fp8: block B + 2 whole goes in)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);

@@ -88,7 +88,7 @@ def _demangle(names):
 # Experiments kept on main behind a macro, off by default, until a GPU session measures them
 # (ffi/cuda/NOTES.md names each): compiled here too, so that they keep building without a spill or a
 # serialised wgmma while main moves on. "" is the library's build.
-EXPERIMENTS = ("", "-DJAX_MLA_WIDE64_S_IN_FLIGHT")
+EXPERIMENTS = ("",)
 
 
 @pytest.fixture(scope="module")

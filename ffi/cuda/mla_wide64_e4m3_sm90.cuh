@@ -337,7 +337,8 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
     }
     if constexpr (HALF == 0) {
       // ---- block A: softmax, m_A out; P_A (m_A's frame) into P2; O^T to m_A; P_A V_A ----
-      wide64_wait_scores<true>(s);
+      wgmma_wait<0>();  // this warpgroup's S of block A, left in flight by the last trip (as the 64-key body)
+      fence_registers(s);
       float m_a[2], alpha_a[2], sum_a[2];
       softmax_block<true>(s, mask(blk_a, key0), m_run, m_a, alpha_a, sum_a);
       if (t4 == 0) {
@@ -416,11 +417,11 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
       }
       e4m3_scores<T>(s, q_rope, base, next_a ? kb0 : q_panels, 0, parity ^ 1, next_a);
       wgmma_commit();
-      wide64_wait_scores<false>(s);
     } else {
       // ---- block B: softmax against m_A, m_B out; P_B into P1; O^T to m_B; P_B V_B, P_A V_A ----
       handoff_wait(W::kAReady, base, parity);
-      wide64_wait_scores<true>(s);
+      wgmma_wait<0>();  // this warpgroup's S of block B
+      fence_registers(s);
       float m_a[2], m_b[2], alpha_ab[2], sum_b[2] = {0.f, 0.f};
 #pragma unroll
       for (int e = 0; e < 2; ++e) m_b[e] = m_a[e] = *E::max_a(base, parity, r[e]);
@@ -470,13 +471,12 @@ __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const Ke
       }
       e4m3_scores<T>(s, q_rope, base, next_b ? kb1 : q_panels, 1, parity ^ 1, next_b);
       wgmma_commit();
-      wide64_wait_scores<false>(s);
     }
   }
   e4m3_store<T, HALF>(p, u, h0, hb, rows, r, warp, g, t4, l_run, m_run, o, scales.out, base);
-  // S in flight (kWide64SInFlight): the last trip's, thrown away, read query panels 0-3 only (P2 and the
-  // factors, which the loop writes, are panels 4-5; the epilogue stages rows in the key buffers).
-  if constexpr (kWide64SInFlight) wgmma_wait<0>();
+  // The last trip's S, thrown away, read query panels 0-3 only (P2 and the factors, which the loop writes,
+  // are panels 4-5; the epilogue stages rows in the key buffers): waited for before the exit.
+  wgmma_wait<0>();
 }
 
 }  // namespace cuda

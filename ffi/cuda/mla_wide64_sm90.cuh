@@ -44,29 +44,6 @@
 namespace jax_mla {
 namespace cuda {
 
-// Where a warpgroup waits for its S. By default at the end of the trip that issued it. With
-// -DJAX_MLA_WIDE64_S_IN_FLIGHT (an experiment, off by default: NOTES.md, "thirty-first session" and
-// "thirty-third session") at the top of the next trip, where its scores are first read (WG1: after
-// the m_A hand-off), so that the last trip's S, computed on the query panels and thrown away, runs
-// beside the epilogue instead of before it; the block waits for it just before it exits. Its reads
-// are the query panels only (the rope step's included), which the epilogue does not write: it stages
-// rows in the key buffers. Every refill of the tiles an S reads is still issued after that S's
-// wait: by the same warpgroup, or behind the hand-off (m_A, P_B) that the wait precedes.
-#ifdef JAX_MLA_WIDE64_S_IN_FLIGHT
-inline constexpr bool kWide64SInFlight = true;
-#else
-inline constexpr bool kWide64SInFlight = false;
-#endif
-// The wait at the end of a trip (kTop false) or at the top of the next (kTop true): one of the two
-// is empty.
-template <bool kTop, int N>
-__device__ __forceinline__ void wide64_wait_scores(float (&s)[N]) {
-  if constexpr (kTop == kWide64SInFlight) {
-    wgmma_wait<0>();
-    fence_registers(s);
-  }
-}
-
 struct Wide64Sm90 {
   static constexpr int kThreads = 256;  // two warpgroups
   static constexpr int ROWS = 64;
@@ -693,7 +670,15 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     }
     if constexpr (HALF == 0) {
       // ---- block A: softmax, m_A out, PV from registers ----
-      wide64_wait_scores<true>(s);
+      // This warpgroup's S of block A, issued at the end of the last trip, is waited for here, where its
+      // scores are first read (WG1: after the m_A hand-off). So the last trip's S, computed on the query
+      // panels and thrown away, runs beside the epilogue, not before it; the block waits for it before it
+      // exits. Its reads are the query panels only (the rope step's too), which the epilogue does not
+      // write: it stages rows in the key buffers. Every refill of the tiles an S reads is issued after
+      // that S's wait, by the same warpgroup or behind a hand-off the wait precedes (m_A, P_B). NOTES.md,
+      // "thirty-first session" and "thirty-third session": 1-6% faster at 64-128 heads.
+      wgmma_wait<0>();
+      fence_registers(s);
       float m_a[2], alpha_a[2], sum_a[2];
       softmax_block<true>(s, mask(blk_a, key0), m_run, m_a, alpha_a, sum_a);
       if (t4 == 0) {
@@ -801,13 +786,13 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
         wgmma_commit();
         JAX_MLA_TRACE_AT(pair + 1, 10);
       }
-      wide64_wait_scores<false>(s);
       JAX_MLA_TRACE_AT(pair + 1, 11);
     } else {
       // ---- block B: softmax against m_A, m_B out ----
       handoff_wait(W::kAReady, base, parity);
       JAX_MLA_TRACE_AT(pair + 1, 1);
-      wide64_wait_scores<true>(s);
+      wgmma_wait<0>();  // this warpgroup's S of block B (see WG0's)
+      fence_registers(s);
       float m_a[2], m_b[2], alpha_ab[2], sum_b[2] = {0.f, 0.f};
 #pragma unroll
       for (int e = 0; e < 2; ++e) m_b[e] = m_a[e] = *stat_ptr(W::kMaxA, r[e]);
@@ -882,7 +867,6 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
                                                               next_b);
       wgmma_commit();
       JAX_MLA_TRACE_AT(pair + 1, 10);
-      wide64_wait_scores<false>(s);
       JAX_MLA_TRACE_AT(pair + 1, 11);
     }
   }
@@ -899,7 +883,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
                             [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); }, W::kBoth, W::kThreads,
                             base + W::K_OFF, threadIdx.x);
   static_assert(kStagedRowsBytes <= 2 * W::BUF, "the staged rows fit in the key buffers");
-  if constexpr (kWide64SInFlight) wgmma_wait<0>();  // the last trip's S (its query-panel reads) before the exit
+  wgmma_wait<0>();  // the last trip's thrown-away S (its query-panel reads) before the exit
   JAX_MLA_TRACE_AT(0, 5);
   JAX_MLA_TRACE_END();
 }

@@ -79,8 +79,8 @@ def test_trace_report_periods_and_intervals():
     assert out[0].endswith("| 4000 ns")
     assert "pair period 1000 cycles (median over trips 0..1)" in out[1]
     assert out[2].split() == ["top", "->", "m_A", "received", "10"]
-    assert out[-2].split()[-1] == "100"  # A 4-8 refilled -> S issued: 10; S issued -> S done: 100
-    assert out[-1].split()[-1] == "800"  # S done -> next top
+    assert out[-2].split()[-1] == "100"  # A 4-8 refilled -> S issued: 10; S issued -> trip end: 100
+    assert out[-1].split()[-1] == "800"  # trip end -> next top
 
 
 def test_trace_report_narrow_fp8_body_and_first_trips():

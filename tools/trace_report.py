@@ -25,12 +25,14 @@ import collections
 import re
 import statistics
 
-# The marks of a pair, in program order (JAX_MLA_TRACE_AT(pair + 1, i) in mla_wide64_sm90.cuh).
+# The marks of a pair, in program order (JAX_MLA_TRACE_AT(pair + 1, i) in mla_wide64_sm90.cuh). A trip's S
+# is left in flight at its end ("trip end", just after its issue) and waited for where the next trip first
+# reads it: within "top -> m_A signalled" in WG0, "m_A received -> m_B signalled" in WG1.
 PAIR_MARKS = {
     0: ["top", "m_A signalled", "PV_A issue", "PV_A done", "A 0-3 refilled", "m_B received", "P_A signalled",
-        "P_B received", "PV_B + S 0-3 issued", "PV_B done", "S 4-8 issued", "S done"],
+        "P_B received", "PV_B + S 0-3 issued", "PV_B done", "S 4-8 issued", "trip end"],
     1: ["top", "m_A received", "m_B signalled", "P_B signalled", "PV_B issued", "P_A received", "PV_B done",
-        "B 4-8 refilled", "PV_A done", "A 4-8 refilled", "S issued", "S done"],
+        "B 4-8 refilled", "PV_A done", "A 4-8 refilled", "S issued", "trip end"],
 }
 # Row 0's marks in the order the driver prints them (events 0-5, then 8-10; 6-7 are globaltimer).
 PROLOGUE_MARKS = ["start", "queries issued", "queries landed", "first S done", "loop end", "stored", "set up",

@@ -85,37 +85,16 @@ def _demangle(names):
     return out if len(out) == len(names) else list(names)
 
 
-# Experiments kept on main behind a macro, off by default, until a GPU session measures them
-# (ffi/cuda/NOTES.md names each): compiled here too, so that they keep building without a spill or a
-# serialised wgmma while main moves on. "" is the library's build.
-EXPERIMENTS = ("",)
-
-
 @pytest.fixture(scope="module")
-def ptxas_runs(tmp_path_factory):
-    """One compile per entry of EXPERIMENTS, all started at once (each nvcc is one thread: on CI's two
-    cores the three take about the time of two in a row); each entry's Popen and output path."""
-    runs = {}
-    for macro in EXPERIMENTS:
-        out = tmp_path_factory.mktemp("ptxas") / "mla_attention.o"
-        cmd = [NVCC, "-std=c++17", "--expt-relaxed-constexpr", "-O3", "-DJAX_MLA_SM90A_BUILT=1",
-               *([macro] if macro else []),
-               "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c",
-               "-I", str(ROOT / "ffi" / "include"), "-isystem", jax.ffi.include_dir(),
-               str(ROOT / "ffi" / "cuda" / "mla_attention.cu"), "-o", str(out)]
-        runs[macro] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       env=dict(os.environ))
-    yield runs
-    for proc in runs.values():
-        proc.kill()
-
-
-@pytest.fixture(scope="module", params=EXPERIMENTS, ids=lambda m: m.removeprefix("-D") or "default")
-def sm90a_ptxas(request, ptxas_runs):
-    proc = ptxas_runs[request.param]
-    log, _ = proc.communicate(timeout=1200)
-    assert proc.returncode == 0, log[-4000:]
-    return parse_ptxas(log)
+def sm90a_ptxas(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ptxas") / "mla_attention.o"
+    cmd = [NVCC, "-std=c++17", "--expt-relaxed-constexpr", "-O3", "-DJAX_MLA_SM90A_BUILT=1",
+           "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-c",
+           "-I", str(ROOT / "ffi" / "include"), "-isystem", jax.ffi.include_dir(),
+           str(ROOT / "ffi" / "cuda" / "mla_attention.cu"), "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-4000:]
+    return parse_ptxas(r.stdout + r.stderr)
 
 
 @tuned_nvcc

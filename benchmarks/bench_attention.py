@@ -3,6 +3,7 @@ sm90 decode and a copy ceiling.
 
     python3 benchmarks/bench_attention.py [--out benchmarks/results] [--sweep] [--quick]
         [--flashmla .peer/flashmla] [--fa2] [--power SECONDS]
+    python3 benchmarks/bench_attention.py --replot benchmarks/results/h200.json  # the plot again, no GPU
 
 Per shape (batch x kv_len x heads x page_size x q_len, bf16, d_ckv 512, d_kpe 64,
 random page tables, random normal data; kv_len and q_len may be ranges drawn per
@@ -651,6 +652,20 @@ def roofline(records, copy_bps, peak, path):
     fig.savefig(path, dpi=130)
 
 
+def replot(json_path, png_path):
+    """The roofline of a saved run: the plot is a function of its records and meta alone."""
+    with open(json_path) as f:
+        run = json.load(f)
+    records = run["records"]
+    for r in records:  # JSON turned the drawn-length specs ("U", lo, hi, seed) into lists
+        for k in ("kv_len", "q_len"):
+            if isinstance(r[k], list):
+                r[k] = tuple(r[k])
+    meta = run["meta"]
+    peak = meta["matmul_TFLOPs"] * 1e12 if meta.get("matmul_TFLOPs") else None
+    roofline(records, meta["copy_ceiling_GBps"] * 1e9, peak, png_path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -666,8 +681,13 @@ def main():
                          "NAME; repeatable")
     ap.add_argument("--power", type=float, default=0.0, metavar="SECONDS",
                     help="also run each shape's chain back to back this long, sampling power and SM clock")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only draw <out>/roofline.png again from a run's h200.json (no GPU)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.replot:
+        replot(args.replot, os.path.join(args.out, "roofline.png"))
+        return
 
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}, jax {jax.__version__}, default target {default_target()}", flush=True)

@@ -1,33 +1,35 @@
-"""benchmarks/bench_attention.py's fp8 rows on the CPU handler: a tiny fp8 shape timed with and without the
-op's fp8_products option, its errors against the dequantized reference, and the fp8 table's two rows."""
+"""benchmarks/bench_attention.py without a GPU: `--replot` draws a saved run's roofline from its JSON alone."""
 
-import jax
+import json
+import pathlib
 
-
-def test_fp8_products_apply_only_to_64_key_units(bench_attention):
-    bench = bench_attention
-    assert bench.fp8_products_apply((128, 4096, 128, 64, 1))
-    assert bench.fp8_products_apply((128, 4096, 64, 32, 1))
-    assert not bench.fp8_products_apply((128, 4096, 16, 64, 1))  # narrow units ignore the option
-    assert not bench.fp8_products_apply((128, 4096, 128, 16, 1))  # pages under 32 keys: no 64-key body
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
-def test_fp8_rows_run_with_and_without_fp8_products(bench_attention):
-    bench = bench_attention
-    shape = (2, 100, 64, 32, 1)
-    copy_bps = 1e11
-    recs = []
-    for products in (False, True):
-        rec = bench.bench_shape(shape, {}, copy_bps, kv_dtype=bench.FP8, fp8_products=products)
-        assert rec["fp8_products"] is products and rec["kv_dtype"] == bench.FP8
-        assert rec["ours_us"] > 0
-        # the CPU handler computes exactly with or without the option (bf16 rounding of the output only);
-        # on sm_90a the option's e4m3 products cost ~4e-2
-        lossy = products and jax.default_backend() != "cpu"
-        assert rec["rel_err_vs_dequantized_ref"] < (8e-2 if lossy else 5e-3)
-        assert 1e-3 < rec["rel_err_vs_bf16_cache"] < 0.1  # what the e4m3 cache itself costs
-        rec.update(bf16_us=2 * rec["ours_us"], speedup_vs_bf16=2.0, targets=[">= 1x bf16"], met=[True])
-        recs.append(rec)
-    lines = bench.fp8_table(recs).strip().splitlines()
-    assert lines[-2].startswith("| 2x100 h64 ps32 q1 | ")
-    assert lines[-1].startswith("| 2x100 h64 ps32 q1 fp8_products | ") and lines[-1].endswith("| >= 1x bf16 | yes |")
+def test_replot_passes_the_saved_records_and_ceilings(bench_attention, monkeypatch, tmp_path):
+    """The plot's inputs come back from the JSON as the run had them: drawn-length specs as tuples (the
+    labels' `U[lo,hi]`), the copy ceiling in B/s and the matmul rate in FLOP/s."""
+    drawn = {}
+    monkeypatch.setattr(bench_attention, "roofline",
+                        lambda records, copy_bps, peak, path: drawn.update(records=records, copy_bps=copy_bps,
+                                                                           peak=peak, path=path))
+    rec = dict(batch=48, kv_len=("U", 1, 8192, 7), heads=32, page_size=64, q_len=1, flops=1.0, bytes=2.0,
+               ours_us=3.0)
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(dict(meta=dict(copy_ceiling_GBps=4154.0, matmul_TFLOPs=766.0), records=[rec])))
+    bench_attention.replot(str(run), str(tmp_path / "roofline.png"))
+    assert drawn["records"][0]["kv_len"] == ("U", 1, 8192, 7) and drawn["records"][0]["q_len"] == 1
+    assert drawn["copy_bps"] == 4154e9 and drawn["peak"] == 766e12
+    assert drawn["path"] == str(tmp_path / "roofline.png")
+    assert bench_attention.shape_name((48, drawn["records"][0]["kv_len"], 32, 64, 1)) == "48xU[1,8192] h32 ps64 q1"
+
+
+def test_replot_reads_the_committed_run(bench_attention, monkeypatch, tmp_path):
+    """The committed `h200.json` replots: every record, each ragged one with its spec as a tuple."""
+    drawn = {}
+    monkeypatch.setattr(bench_attention, "roofline", lambda records, *a: drawn.update(records=records))
+    bench_attention.replot(str(RESULTS / "h200.json"), str(tmp_path / "roofline.png"))
+    committed = json.loads((RESULTS / "h200.json").read_text())["records"]
+    assert len(drawn["records"]) == len(committed) > 0
+    ragged = [r for r in drawn["records"] if not isinstance(r["kv_len"], int)]
+    assert ragged and all(isinstance(r["kv_len"], tuple) and r["kv_len"][0] == "U" for r in ragged)

@@ -9,11 +9,17 @@ import zlib
 import jax
 import numpy as np
 import pytest
+from hypothesis import Phase, settings
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # Float32 comparisons mean float32: on GPUs XLA's default runs f32 matmuls in
 # TF32 (about 1e-3 relative), which would swamp the tolerances of the f32 tests.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# `pytest --hypothesis-profile=no-shrink`: a failing example is reported as drawn, not shrunk. On a GPU an
+# example of the property tests costs 10-15 s (new shapes compile), and shrinking one outlasted a device
+# call (ffi/cuda/NOTES.md, "thirty-fifth session"). The tests' own @settings keep their other values.
+settings.register_profile("no-shrink", phases=[Phase.explicit, Phase.reuse, Phase.generate])
 
 
 @pytest.fixture

@@ -42,9 +42,15 @@ LSE_ATOL = {F32: 1e-4, BF16: 1e-3, F16: 1e-3}
 FP8_OUT_TOL = 3e-3
 FP8_LSE_ATOL = 5e-3
 # fp8_products: on sm_90a the 64-key units multiply e4m3 queries and probabilities, ~3-5e-2 from the reference;
-# elsewhere the option changes nothing.
+# elsewhere the option changes nothing. The LSE of a row that sees few keys is close to one score, whose error
+# from the e4m3 queries does not average out: at these tests' sm_scale (0.09 on unit-variance data) it is
+# ~0.055 rms, its largest over 10^5 one-key rows 0.24-0.25 (`tools/e4m3_lossy_error.py --lse`, emulated), so
+# the bound on every row's LSE is loose and the rms over the rows is bounded too (with 0.15 on every row a
+# random problem of short requests failed on an H100; emulated, its LSE lands 0.151 off: ffi/cuda/NOTES.md,
+# "thirty-fifth session").
 FP8_PRODUCTS_OUT_TOL = 8e-2
-FP8_PRODUCTS_LSE_ATOL = 0.15
+FP8_PRODUCTS_LSE_ATOL = 0.35
+FP8_PRODUCTS_LSE_RMS = 0.08
 
 SMALL = (64, 16)   # d_ckv, d_kpe: CPU-only, keeps CI fast
 DEEPSEEK = (512, 64)
@@ -92,7 +98,8 @@ def ragged_lengths(rng, num_requests: int, max_kv: int = 600):
 
 def check_against_reference(batch, plan, *, page_table=None, kv_lens=None, return_lse=True, fp8_products=False):
     """Runs the kernel on NaN-poisoned caches and the reference on clean ones. fp8_products (an fp8 ckv):
-    the op's lossy e4m3 products, at their bounds (FP8_PRODUCTS_OUT_TOL, FP8_PRODUCTS_LSE_ATOL)."""
+    the op's lossy e4m3 products, at their bounds (FP8_PRODUCTS_OUT_TOL; the LSE within FP8_PRODUCTS_LSE_ATOL
+    on every row and FP8_PRODUCTS_LSE_RMS over the rows)."""
     page_table = batch.page_table if page_table is None else page_table
     kv_lens = batch.kv_lens if kv_lens is None else kv_lens
     ps = batch.ckv.shape[1]
@@ -121,9 +128,12 @@ def check_against_reference(batch, plan, *, page_table=None, kv_lens=None, retur
         np.testing.assert_array_equal(np.isneginf(lse), empty)
         assert not np.isnan(lse).any()
         if (~empty).any():
-            diff = np.abs(lse[~empty] - ref_lse[~empty]).max()
+            diffs = np.abs(lse[~empty] - ref_lse[~empty])
             atol = FP8_PRODUCTS_LSE_ATOL if fp8_products else FP8_LSE_ATOL if fp8 else LSE_ATOL[dtype]
-            assert diff <= atol, f"LSE differs by {diff:.2e}"
+            assert diffs.max() <= atol, f"LSE differs by {diffs.max():.2e}"
+            if fp8_products:
+                rms = float(np.sqrt((diffs ** 2).mean()))
+                assert rms <= FP8_PRODUCTS_LSE_RMS, f"LSE differs by {rms:.2e} rms"
     return out, ref_lse
 
 

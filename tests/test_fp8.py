@@ -12,7 +12,8 @@ from jax_mla import (FP8_DTYPE, PlanTarget, append_paged_kv, fp8_scale, mla_page
                      mla_paged_attention_reference, plan_mla, quantize_fp8)
 from jax_mla._ffi import has_ffi
 from jax_mla.testing import assert_nan_rows_match, poison_unseen, random_paged_batch, rel_err, split_target
-from test_attention import FP8_LSE_ATOL, FP8_OUT_TOL, FP8_PRODUCTS_LSE_ATOL, FP8_PRODUCTS_OUT_TOL
+from test_attention import (BF16, F16, FP8_LSE_ATOL, FP8_OUT_TOL, FP8_PRODUCTS_LSE_ATOL, FP8_PRODUCTS_LSE_RMS,
+                            FP8_PRODUCTS_OUT_TOL)
 
 SCALE = 0.0723
 CKV_SCALE = 0.0125  # fp8 values of ~N(0, 80): the cache's values are ~N(0, 1)
@@ -249,22 +250,34 @@ def test_fp8_bad_arguments_raise_value_errors(rng, call, match):
         call(p)
 
 
-@pytest.mark.parametrize("heads, page_size, qo, kv, split", [
-    (128, 64, [1, 1, 1, 0], [900, 64, 130, 0], True),  # one box a block, splits, partial blocks, empty
-    (64, 32, [2, 1], [700, 300], False),               # two TMA boxes a block, causal q_len 2
-    (80, 128, [3, 1], [1500, 700], False),             # a 16-row head block beside a full one, q_len 3
+@pytest.mark.parametrize("heads, page_size, qo, kv, split, qdtype", [
+    (128, 64, [1, 1, 1, 0], [900, 64, 130, 0], True, BF16),  # one box a block, splits, partial blocks, empty
+    (64, 32, [2, 1], [700, 300], False, BF16),               # two TMA boxes a block, causal q_len 2
+    (80, 128, [3, 1], [1500, 700], False, BF16),             # a 16-row head block beside a full one, q_len 3
+    # Around the random problem the GPU failed on (tests/test_properties.py, its @example): fp16 queries,
+    # head blocks of 64 and 27 rows (both on the e4m3 body), units of one partial block on pages of 128.
+    (91, 128, [2, 4], [4, 18], False, F16),
+    (91, 128, [2, 4], [4, 18], False, BF16),
+    (64, 128, [2, 4], [4, 18], False, F16),
+    (91, 64, [1, 2], [700, 300], False, BF16),               # the 27-row head block over many blocks
 ])
-def test_fp8_products_stay_near_the_reference(rng, heads, page_size, qo, kv, split):
-    """fp8_products: on sm_90a the 64-key units (64 rows, pages of >= 32 keys) multiply e4m3 queries by the
-    raw keys and e4m3 probabilities by V (mla_wide64_e4m3_sm90.cuh), ~3-5e-2 from the float32 reference;
-    their other rows, and every row on the CPU handler, stay at the accurate path's error."""
+def test_fp8_products_stay_near_the_reference(rng, heads, page_size, qo, kv, split, qdtype):
+    """fp8_products: on sm_90a the 64-key units (head blocks of 17-64 rows, pages of >= 32 keys) multiply
+    e4m3 queries by the raw keys and e4m3 probabilities by V (mla_wide64_e4m3_sm90.cuh), ~3-5e-2 from the
+    float32 reference; narrow units (16 rows or fewer), and every row on the CPU handler, stay at the
+    accurate path's error."""
     needs_ffi()
-    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, qo, kv, heads=heads, page_size=page_size, split=split)
+    b, qn, qp, ckv, kpe, plan, scales = fp8_problem(rng, qo, kv, heads=heads, page_size=page_size, split=split,
+                                                    qdtype=qdtype)
+
+    # The kernel reads NaN-poisoned caches outside every request's keys (a partial block's rows past the
+    # range must not reach P V), the reference clean ones.
+    ckv_poisoned, kpe_poisoned = (poison_unseen(c, b.page_table, b.kv_lens, page_size) for c in (ckv, kpe))
 
     def run(products):
         return jax.jit(lambda *a: mla_paged_attention(*a, sm_scale=SCALE, return_lse=True, backend="ffi",
                                                       fp8_products=products, **scales))(
-            qn, qp, ckv, kpe, b.page_table, b.kv_lens, plan)
+            qn, qp, ckv_poisoned, kpe_poisoned, b.page_table, b.kv_lens, plan)
 
     out, lse = run(True)
     exact, _ = run(False)
@@ -273,12 +286,14 @@ def test_fp8_products_stay_near_the_reference(rng, heads, page_size, qo, kv, spl
     print(f"fp8_products: relative error {err:.2e} (without: {rel_err(exact, ref):.2e})")
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
     assert err < FP8_PRODUCTS_OUT_TOL
-    if heads % 64:  # the last head block's 16 rows (q_tile 1) take the narrow body: accurate
+    if 0 < heads % 64 <= 16:  # the last head block's rows (q_tile 1) take the narrow body: accurate
         tail = heads - heads % 64
         assert rel_err(out[:, tail:], ref[:, tail:]) < FP8_OUT_TOL
     ok = ~np.isneginf(np.asarray(ref_lse))
     np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), ~ok)
-    np.testing.assert_allclose(np.asarray(lse)[ok], np.asarray(ref_lse)[ok], atol=FP8_PRODUCTS_LSE_ATOL)
+    diffs = np.abs(np.asarray(lse)[ok] - np.asarray(ref_lse)[ok])
+    assert diffs.max() <= FP8_PRODUCTS_LSE_ATOL and np.sqrt((diffs ** 2).mean()) <= FP8_PRODUCTS_LSE_RMS, (
+        diffs.max(), np.sqrt((diffs ** 2).mean()))
     if jax.default_backend() == "cpu":  # the CPU handler has no e4m3 products: the option changes nothing
         np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(exact.astype(jnp.float32)))
 

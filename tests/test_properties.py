@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
-from jax_mla.testing import paged_problems
+from jax_mla.testing import ProblemSpec, paged_problems
 from test_attention import DEEPSEEK, SMALL, check_against_reference, require_kernel, run_ffi
 
 # CPU: the small head dims keep an example's compile + run well under a second; the CUDA kernels
@@ -44,10 +44,16 @@ def test_fp8_cache_matches_reference_on_random_problems(spec):
 @settings(max_examples=15, deadline=None, derandomize=True, print_blob=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(spec=paged_problems(caches=("fp8_ckv",), min_heads=48))
+# The first drawn problem that reaches the e4m3 body (91 heads: head blocks of 64 and 27 rows; pages of 128;
+# fp16 queries). On an H100 (2026-12-05) hypothesis was still shrinking problems drawn from it when the
+# call's time ran out: it had failed (ffi/cuda/NOTES.md, "thirty-fifth session").
+@example(spec=ProblemSpec(qo_lens=(6, 4, 4), kv_lens=(24, 6, 18), num_heads=91, page_size=128, dtype="float16",
+                          padding_tokens=3, split=True, seed=199, cache="fp8_ckv"))
 def test_fp8_products_on_random_problems(spec):
-    """fp8_products on random problems with an e4m3 ckv and 48-130 heads: on sm_90a the full 64-row tiles on
-    pages of 32+ keys take the lossy e4m3 body (a kernel instance of its own), the other units the accurate
-    bodies; the output within the option's bounds, nothing read past a length or off the cache."""
+    """fp8_products on random problems with an e4m3 ckv and 48-130 heads: on sm_90a, in calls of 64+ heads on
+    pages of 32+ keys, the units of 17-64 rows take the lossy e4m3 body (a kernel instance of its own), the
+    other units the accurate bodies; the output within the option's bounds, nothing read past a length or off
+    the cache."""
     require_kernel(*DIMS)
     batch, plan = spec.build(*DIMS)
     check_against_reference(batch, plan, return_lse=spec.return_lse, fp8_products=True)

@@ -1,6 +1,6 @@
 """The GPU-analysis tools that run on this machine: tools/ncu_source.py on a small source page,
 tools/trace_report.py on a small timeline, tools/block_trace_report.py on a small block trace,
-tools/sass_size.py on a few lines of SASS (odd descriptors, loads' first reads, a build against a baseline); the standalone driver's timing
+tools/sass_size.py on a few lines of SASS (odd descriptors, loads' first reads, a build against a baseline); tools/e4m3_lossy_error.py's LSE bound; the standalone driver's timing
 plans (cases.py)."""
 
 import gzip
@@ -235,3 +235,13 @@ def test_sass_size_baseline_ignores_label_numbers_and_names_what_differs():
     assert tool.compare(moved, base)["kernel_a"] is not None
     del base["kernel_b"]
     assert tool.compare(grown, base)["kernel_b"] == "only in this build"
+
+
+def test_e4m3_lossy_lse_error_sits_inside_the_fp8_products_bounds():
+    """tools/e4m3_lossy_error.py --lse, emulated: the LSE error of rows that see one key (the largest) at the
+    tests' sm_scale stays well inside the bounds check_against_reference holds fp8_products to, and is not
+    so small that the bounds could be tight (an e4m3 query has 3 mantissa bits)."""
+    from test_attention import FP8_PRODUCTS_LSE_ATOL, FP8_PRODUCTS_LSE_RMS
+    rms, p999, top = _tool("e4m3_lossy_error").lse_error(np.random.default_rng(1), 1, 2.16, rows=2000)
+    assert 0.03 < rms < FP8_PRODUCTS_LSE_RMS / 1.3
+    assert p999 <= top < 0.8 * FP8_PRODUCTS_LSE_ATOL  # (over 10^5 rows the largest was 0.24-0.25)

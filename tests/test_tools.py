@@ -238,9 +238,9 @@ def test_sass_size_baseline_ignores_label_numbers_and_names_what_differs():
 
 
 def test_e4m3_lossy_lse_error_sits_inside_the_fp8_products_bounds():
-    """tools/e4m3_lossy_error.py --lse, emulated: the LSE error of rows that see one key (the largest) at the
-    tests' sm_scale stays well inside the bounds check_against_reference holds fp8_products to, and is not
-    so small that the bounds could be tight (an e4m3 query has 3 mantissa bits)."""
+    """tools/e4m3_lossy_error.py --lse, emulated: the LSE error of rows that see one key (where it is largest)
+    at the tests' sm_scale stays well inside the bounds check_against_reference holds fp8_products to, and is
+    the size those bounds were set for, not near zero (an e4m3 query keeps 3 mantissa bits)."""
     from test_attention import FP8_PRODUCTS_LSE_ATOL, FP8_PRODUCTS_LSE_RMS
     rms, p999, top = _tool("e4m3_lossy_error").lse_error(np.random.default_rng(1), 1, 2.16, rows=2000)
     assert 0.03 < rms < FP8_PRODUCTS_LSE_RMS / 1.3

@@ -34,6 +34,15 @@ def rounded(x, dtype):
     return x.astype(dtype).astype(np.float32)
 
 
+def body_frame(q_nope, q_pe, top, queries_e4m3=True):
+    """Queries in the body's frame: each row's latent part times 2^k (its largest magnitude brought under
+    `top`) rounded to e4m3 (or kept exact), its rope part times 2^k / CKV_SCALE in bf16 (the latent part's
+    frame). Returns (latent, rope, 2^k); scores in this frame are the true ones times 2^k / CKV_SCALE."""
+    factor = 2.0 ** np.floor(np.log2(top / np.abs(q_nope).max(1, keepdims=True)))
+    latent = rounded(q_nope * factor, E4M3) if queries_e4m3 else q_nope * factor
+    return latent, rounded(q_pe * factor / CKV_SCALE, BF16), factor
+
+
 def relative_error(rng, keys, query_scale, queries_e4m3, p_e4m3, heads=128, block=64):
     q_nope = rounded(rng.standard_normal((heads, 512)) * query_scale, BF16)
     q_pe = rounded(rng.standard_normal((heads, 64)) * query_scale, BF16)
@@ -45,9 +54,7 @@ def relative_error(rng, keys, query_scale, queries_e4m3, p_e4m3, heads=128, bloc
     p = np.exp(s - s.max(1, keepdims=True))
     ref = (p @ ckv) / p.sum(1, keepdims=True)
 
-    factor = 2.0 ** np.floor(np.log2(448.0 / np.abs(q_nope).max(1, keepdims=True)))
-    q8 = rounded(q_nope * factor, E4M3) if queries_e4m3 else q_nope * factor
-    rope = rounded(q_pe * factor / CKV_SCALE, BF16)  # the rope part in the latent part's frame
+    q8, rope, factor = body_frame(q_nope, q_pe, 448.0, queries_e4m3)
     s = (q8 @ raw.T + rope @ kpe.T) * (SCALE * CKV_SCALE / factor)
     m = np.full((heads, 1), -np.inf)
     l = np.zeros((heads, 1))
@@ -70,7 +77,7 @@ def lse_error(rng, keys, query_scale, rows=4000):
     of one block, each row its own random query and keys (natural log, as the op's LSE)."""
     q_nope = rounded(rng.standard_normal((rows, 512)) * query_scale, BF16)
     q_pe = rounded(rng.standard_normal((rows, 64)) * query_scale, BF16)
-    raw = rounded(np.clip(rng.standard_normal((rows, keys, 512)) / CKV_SCALE, -448, 448), E4M3)
+    raw = rounded(rng.standard_normal((rows, keys, 512)) / CKV_SCALE, E4M3)  # the cache's e4m3 values
     kpe = rounded(rng.standard_normal((rows, keys, 64)), BF16)
 
     def lse(s):
@@ -78,9 +85,7 @@ def lse_error(rng, keys, query_scale, rows=4000):
         return (m + np.log(np.exp(s - m).sum(1, keepdims=True)))[:, 0]
 
     ref = lse((np.einsum("rd,rkd->rk", q_nope, raw * CKV_SCALE) + np.einsum("rd,rkd->rk", q_pe, kpe)) * SCALE)
-    factor = 2.0 ** np.floor(np.log2(256.0 / np.abs(q_nope).max(1, keepdims=True)))
-    q8 = rounded(q_nope * factor, E4M3)
-    rope = rounded(q_pe * factor / CKV_SCALE, BF16)
+    q8, rope, factor = body_frame(q_nope, q_pe, 256.0)  # the kernel's: under 2^8
     got = lse((np.einsum("rd,rkd->rk", q8, raw) + np.einsum("rd,rkd->rk", rope, kpe)) * (SCALE * CKV_SCALE / factor))
     d = np.abs(got - ref)
     return float(np.sqrt((d ** 2).mean())), float(np.quantile(d, 0.999)), float(d.max())

@@ -8,8 +8,9 @@
 #   scripts/gpu_check.sh [build] [decode] [hostprofile] [check|quickcheck] [test] [sanitize] [parallel] [timing]
 #                        [bench] [sweep]
 #   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests, SANITIZE_WIDE=1 the
-#   sanitizers' cases, HARNESS / SANITIZE_TOOLS / SANITIZER_ARGS their driver, tools and options; a
-#   failed check skips the steps after it unless KEEP_GOING is set)
+#   sanitizers' cases, HARNESS / SANITIZE_TOOLS / SANITIZER_ARGS their driver, tools and options,
+#   TEST_XLA_FLAGS the tests' XLA flags; a failed check skips the steps after it unless KEEP_GOING is set;
+#   each timed step ends with a line "NAME exit RC", which says when a timeout or a signal ended it)
 #
 # FlashInfer 0.2.5 for the benchmark's peers: its sdist in .peer/ (git-ignored;
 # `pip download --no-deps flashinfer-python==0.2.5 -d .peer`), installed here
@@ -25,6 +26,18 @@ steps=${*:-build check test sanitize bench}
 has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 note() { echo "== $* ($(date +%T))" | tee -a "$LOGS/summary.txt"; }
+# A step's exit status, said in the output and the summary: a pytest killed by its timeout, or one that died
+# without its summary line, otherwise looks like a run that simply stopped (thirty-sixth session).
+# finished NAME RC TIMEOUT_S; returns RC.
+finished() {
+  local why=""
+  case $2 in
+    124) why=" (timed out after $3 s)" ;;
+    129|1[3-9][0-9]) why=" (killed by signal $(($2 - 128)))" ;;
+  esac
+  echo "$1 exit $2$why ($(date +%T))" | tee -a "$LOGS/summary.txt"
+  return $2
+}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$LOGS/gpu.txt" 2>&1
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' >> "$LOGS/gpu.txt" 2>&1
@@ -77,29 +90,36 @@ built=$status
 if has decode && [ $built -eq 0 ]; then
   # Issue 4's benchmark: jitted decode step of a V2-Lite-shaped stack, our op vs the reference.
   note "bench_decode"
-  timeout ${DECODE_TIMEOUT:-180} python3 benchmarks/bench_decode.py --json "$OUT/bench_decode.json" ${DECODE_ARGS:-} 2>&1 \
+  timeout ${DECODE_TIMEOUT:=180} python3 benchmarks/bench_decode.py --json "$OUT/bench_decode.json" ${DECODE_ARGS:-} 2>&1 \
     | tee "$LOGS/bench_decode.log" | tail -20
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  finished "bench_decode" "${PIPESTATUS[0]}" $DECODE_TIMEOUT || status=1
 fi
 if has hostprofile && [ $built -eq 0 ]; then
   # Issue 11: where a host-planned decode step's host time goes, per XLA_FLAGS variant.
   note "profile_decode_host"
-  timeout ${HOSTPROFILE_TIMEOUT:-300} python3 benchmarks/profile_decode_host.py --variants \
+  timeout ${HOSTPROFILE_TIMEOUT:=300} python3 benchmarks/profile_decode_host.py --variants \
     --json "$OUT/profile_decode_host.json" ${HOSTPROFILE_ARGS:-} 2>&1 | tee "$LOGS/profile_decode_host.log" | tail -150
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  finished "profile_decode_host" "${PIPESTATUS[0]}" $HOSTPROFILE_TIMEOUT || status=1
 fi
+# The tests' XLA flags (TEST_XLA_FLAGS, empty for XLA's own defaults): no GEMM autotuning. On a GPU every new
+# shape compiles the float32 reference again, and a property-test example took 10-15 s (thirty-fifth
+# session); autotuning picks among GEMM kernels for speed, which the reference does not need. Whether it was
+# the cost is for the next run to say: pytest's --durations below lists the slowest tests.
+test_xla_flags="${XLA_FLAGS:-} ${TEST_XLA_FLAGS---xla_gpu_autotune_level=0}"
 if (has check || has quickcheck) && [ $built -eq 0 ]; then
   note check
   subset=(); has check || subset=(-k small_spec)  # quickcheck: the `small` shapes only
-  timeout ${CHECK_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider tests/test_arg_specs.py ${subset[@]+"${subset[@]}"} 2>&1 \
+  XLA_FLAGS=$test_xla_flags timeout ${CHECK_TIMEOUT:=360} python3 -m pytest -q -p no:cacheprovider --durations=10 \
+    tests/test_arg_specs.py ${subset[@]+"${subset[@]}"} 2>&1 \
     | tee "$LOGS/check.log" | tail -20
-  [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; [ -n "${KEEP_GOING:-}" ] || built=1; }  # wrong kernels: skip the rest
+  finished "check" "${PIPESTATUS[0]}" $CHECK_TIMEOUT || { status=1; [ -n "${KEEP_GOING:-}" ] || built=1; }  # wrong kernels: skip the rest
 fi
 
 if has test && [ $built -eq 0 ]; then
   note pytest
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${PYTEST_ARGS:--x} -q -p no:cacheprovider ${PYTEST_PATHS:-tests/} 2>&1 | tee "$LOGS/pytest.log" | tail -25
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  XLA_FLAGS=$test_xla_flags timeout ${TEST_TIMEOUT:=300} python3 -m pytest ${PYTEST_ARGS:--x} -q -p no:cacheprovider \
+    --durations=15 ${PYTEST_PATHS:-tests/} 2>&1 | tee "$LOGS/pytest.log" | tail -25
+  finished "pytest" "${PIPESTATUS[0]}" $TEST_TIMEOUT || status=1
 fi
 
 if has sanitize && [ $built -eq 0 ]; then
@@ -126,7 +146,7 @@ if has sanitize && [ $built -eq 0 ]; then
     echo "compute-sanitizer $tool exit $rc" | tee -a "$LOGS/summary.txt"
   done
   JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py check /tmp/mla_cases 2>&1 | tee -a "$LOGS/summary.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  finished "cases.py check" "${PIPESTATUS[0]}" - || status=1
   if [ -n "${JAX_SANITIZE:-}" ]; then  # the same kernels under JAX (segfaulted here once)
     note "compute-sanitizer memcheck (JAX process)"
     timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider tests/test_arg_specs.py -k small_spec \
@@ -139,9 +159,9 @@ fi
 if has parallel && [ $built -eq 0 ]; then
   # Issue 12: several GPUs against one (on a single GPU: the mesh path's own cost).
   note "bench_parallel ${PARALLEL_ARGS:-}"
-  timeout ${PARALLEL_TIMEOUT:-300} python3 benchmarks/bench_parallel.py --json "$OUT/bench_parallel.json" \
+  timeout ${PARALLEL_TIMEOUT:=300} python3 benchmarks/bench_parallel.py --json "$OUT/bench_parallel.json" \
     ${PARALLEL_ARGS:-} 2>&1 | tee "$LOGS/bench_parallel.log" | tail -12
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  finished "bench_parallel" "${PIPESTATUS[0]}" $PARALLEL_TIMEOUT || status=1
 fi
 
 if has timing && [ $built -eq 0 ]; then
@@ -153,7 +173,7 @@ if has timing && [ $built -eq 0 ]; then
     JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing /tmp/mla_timing$l2 ${l2:+--l2} \
       > "$LOGS/timing${l2}_cases.log" 2>&1
     timeout 240 build/gpu/sanitize_harness --time /tmp/mla_timing$l2/time*.bin 2>&1 | tee "$LOGS/timing$l2.log"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    finished "driver timing$l2" "${PIPESTATUS[0]}" 240 || status=1
   done
 fi
 
@@ -165,8 +185,9 @@ if (has bench || has sweep) && [ $built -eq 0 ]; then
   has sweep && args="$args --sweep"
   [ -f $fm_dir/bench.py ] && args="$args --flashmla $fm_dir"
   note "bench $args"
-  timeout ${BENCH_TIMEOUT:-400} python3 benchmarks/bench_attention.py --out "$OUT" $args 2>&1 | tee "$LOGS/bench.log" \
+  timeout ${BENCH_TIMEOUT:=400} python3 benchmarks/bench_attention.py --out "$OUT" $args 2>&1 | tee "$LOGS/bench.log" \
     | grep -v "^  \|INFO" | tail -45
+  finished "bench" "${PIPESTATUS[0]}" $BENCH_TIMEOUT || status=1
 fi
 
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"

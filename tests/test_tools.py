@@ -245,3 +245,19 @@ def test_e4m3_lossy_lse_error_sits_inside_the_fp8_products_bounds():
     rms, p999, top = _tool("e4m3_lossy_error").lse_error(np.random.default_rng(1), 1, 2.16, rows=2000)
     assert 0.03 < rms < FP8_PRODUCTS_LSE_RMS / 1.3
     assert p999 <= top < 0.8 * FP8_PRODUCTS_LSE_ATOL  # (over 10^5 rows the largest was 0.24-0.25)
+
+
+def test_driver_cases_replace_the_previous_set(tmp_path, monkeypatch):
+    """`cases.py make` into a folder that holds an earlier set leaves only its own cases: the driver and
+    `check` take every case*.bin there, so `make --wide` after a full `make` ran the full set again."""
+    from jax_mla.arg_specs import arg_specs
+
+    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", ""))
+    cases = _tool("cases", "tools/sanitize_harness")
+    for name in ("case99.bin", "case99.bin.out", "case99.npz", "time3_old.bin"):
+        (tmp_path / name).write_bytes(b"old")
+    spec = arg_specs("small")[0]
+    cases.make(str(tmp_path), [spec, spec], keep=lambda s: s is not spec)  # keeps neither
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["time3_old.bin"]  # timing cases are make_timing's
+    cases.make(str(tmp_path), [spec])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["case0.bin", "case0.npz", "time3_old.bin"]

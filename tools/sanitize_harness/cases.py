@@ -68,6 +68,15 @@ def _write_case(path, header, float_arrays, int_arrays):
 L2_PROBE_PAGES = 32  # timing --l2: the pages every page id is drawn from (their keys stay in L2)
 
 
+def _fresh_dir(d, prefix):
+    """d, made if missing, without the files a previous set left in it (`prefix`*: the driver runs and
+    `check` reads every such file, so a smaller set written over a larger one, e.g. `make --wide` after a
+    full `make` in the same lease, would run the old cases again; thirty-sixth session)."""
+    os.makedirs(d, exist_ok=True)
+    for path in glob.glob(os.path.join(d, prefix + "*")):
+        os.remove(path)
+
+
 def make_timing(d, l2_probe=False, tag=None, batches=None):
     """Timing cases (no data: the driver draws it on the device) of the `timing` and `fp8` shapes, or
     of the shapes tagged `tag`. `l2_probe`: the same plans with every page id drawn from L2_PROBE_PAGES
@@ -75,7 +84,7 @@ def make_timing(d, l2_probe=False, tag=None, batches=None):
     away (ffi/cuda/NOTES.md uses it to tell memory-bound from not). `batches`: each shape of equal
     lengths and more than one request once per batch size instead (the 124 / 128 / 132 requests of
     NOTES.md, "bound per SM or by the aggregate copy"); the other shapes are left out."""
-    os.makedirs(d, exist_ok=True)
+    _fresh_dir(d, "time")
     rng = np.random.default_rng(5)
     specs = arg_specs(tag) if tag else arg_specs("timing") + arg_specs("fp8")  # fp8: e4m3 ckv (bf16 q, kpe)
     if batches:
@@ -108,7 +117,7 @@ def make(d, specs, checked=True, keep=None):
     """Driver cases of `specs` (case{k}: the k-th spec), with reference inputs where `checked`. `keep`:
     write only the specs it accepts; every spec still draws its data, so a kept case has the same
     name and data as in the full set."""
-    os.makedirs(d, exist_ok=True)
+    _fresh_dir(d, "case")
     rng = np.random.default_rng(11)
     for k, spec in enumerate(specs):
         qo, kv = spec.lengths()

@@ -9,8 +9,9 @@
 #                        [bench] [sweep]
 #   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests, SANITIZE_WIDE=1 the
 #   sanitizers' cases, HARNESS / SANITIZE_TOOLS / SANITIZER_ARGS their driver, tools and options,
-#   TEST_XLA_FLAGS the tests' XLA flags, TEST_JAX_CACHE their compilation cache; a failed check skips the steps after it unless KEEP_GOING is set;
-#   each timed step ends with a line "NAME exit RC", which says when a timeout or a signal ended it)
+#   TEST_XLA_FLAGS the tests' XLA flags, TEST_JAX_CACHE their compilation cache; a failed check skips
+#   the steps after it unless KEEP_GOING is set; each timed step ends with a line "NAME exit RC", which
+#   says when a timeout or a signal ended it)
 #
 # FlashInfer 0.2.5 for the benchmark's peers: its sdist in .peer/ (git-ignored;
 # `pip download --no-deps flashinfer-python==0.2.5 -d .peer`), installed here

@@ -1,14 +1,17 @@
 """The GPU-analysis tools that run on this machine: tools/ncu_source.py on a small source page,
 tools/trace_report.py on a small timeline, tools/block_trace_report.py on a small block trace,
 tools/sass_size.py on a few lines of SASS (odd descriptors, loads' first reads, a build against a baseline); tools/e4m3_lossy_error.py's LSE bound; the standalone driver's timing
-plans (cases.py)."""
+plans and case sets (cases.py); the scripts parse, and gpu_check.sh's step-status helper."""
 
 import gzip
 import importlib.util
 import os
 import pathlib
+import re
+import subprocess
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -261,3 +264,28 @@ def test_driver_cases_replace_the_previous_set(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["time3_old.bin"]  # timing cases are make_timing's
     cases.make(str(tmp_path), [spec])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["case0.bin", "case0.npz", "time3_old.bin"]
+
+
+SCRIPTS = sorted([*(ROOT / "scripts").glob("*.sh"), ROOT / ".ci" / "run"])
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_parse(script):
+    """The scripts CI does not run (the GPU machine's among them) at least parse: a syntax error found there
+    costs a device call."""
+    run = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+
+
+def test_gpu_check_names_how_a_step_ended(tmp_path):
+    """gpu_check.sh's `finished NAME RC TIMEOUT` (each timed step's last line): a timeout and a signal are
+    named, and the step's status is returned."""
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    helper = re.search(r"^finished\(\) \{\n.*?^\}\n", text, re.M | re.S).group(0)
+    body = helper + 'for rc in 0 1 124 139; do finished step "$rc" 42; echo "returned $?"; done'
+    run = subprocess.run(["bash", "-c", body], capture_output=True, text=True, env={**os.environ, "LOGS": str(tmp_path)})
+    lines = [re.sub(r" \(\d\d:\d\d:\d\d\)$", "", l) for l in run.stdout.splitlines()]
+    assert lines == ["step exit 0", "returned 0", "step exit 1", "returned 1",
+                     "step exit 124 (timed out after 42 s)", "returned 124",
+                     "step exit 139 (killed by signal 11)", "returned 139"]
+    assert len((tmp_path / "summary.txt").read_text().splitlines()) == 4

@@ -35,13 +35,5 @@ install: $(STAMP)-test
 demo: $(STAMP)-demo
 	$(PY) examples/demo.py
 
-# JAX's persistent compilation cache for the tests (TEST_JAX_CACHE= turns it off): a second run, and
-# scripts/cpu_sanitize.sh after this one, load the executables instead of compiling them again (on the
-# 2-core CI machine the sanitized run's tests took 268.8 s after a `make test` had filled it, 402.0 s
-# without it). The kernels are found by their FFI target names when an executable loads, so edited
-# handlers are the ones that run; the Python side's changes change the HLO and so the cache key.
-TEST_JAX_CACHE ?= $(CURDIR)/build/jax-test-cache
-TEST_ENV := $(if $(TEST_JAX_CACHE),JAX_COMPILATION_CACHE_DIR=$(TEST_JAX_CACHE) JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0)
-
 test: $(STAMP)-test
-	$(TEST_ENV) $(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra

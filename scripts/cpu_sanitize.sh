@@ -46,12 +46,6 @@ rm -rf "$REPORTS" && mkdir -p "$REPORTS"
 export ASAN_OPTIONS="detect_leaks=0:protect_shadow_gap=0:abort_on_error=1:log_path=$REPORTS/asan"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$REPORTS/ubsan"
 export JAX_PLATFORMS=cpu
-# The compilation cache `make test` fills (its Makefile says why; TEST_JAX_CACHE= turns it off): the same
-# tests' executables load instead of compiling again.
-TEST_JAX_CACHE=${TEST_JAX_CACHE-$(pwd)/build/jax-test-cache}
-if [ -n "$TEST_JAX_CACHE" ]; then
-  export JAX_COMPILATION_CACHE_DIR=$TEST_JAX_CACHE JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-fi
 # Python's -P for this process and the interpreters the tests start: the checkout's own jax_mla/ (no
 # native module in it) must not shadow the installed one.
 export PYTHONSAFEPATH=1

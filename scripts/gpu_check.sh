@@ -9,7 +9,7 @@
 #                        [bench] [sweep]
 #   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests, SANITIZE_WIDE=1 the
 #   sanitizers' cases, HARNESS / SANITIZE_TOOLS / SANITIZER_ARGS their driver, tools and options,
-#   TEST_XLA_FLAGS the tests' XLA flags, TEST_JAX_CACHE their compilation cache; a failed check skips
+#   TEST_XLA_FLAGS the tests' XLA flags (TEST_JAX_CACHE: tests/conftest.py); a failed check skips
 #   the steps after it unless KEEP_GOING is set; each timed step ends with a line "NAME exit RC", which
 #   says when a timeout or a signal ended it)
 #
@@ -107,18 +107,10 @@ fi
 # session); autotuning picks among GEMM kernels for speed, which the reference does not need. Whether it was
 # the cost is for the next run to say: pytest's --durations below lists the slowest tests.
 test_xla_flags="${XLA_FLAGS:-} ${TEST_XLA_FLAGS---xla_gpu_autotune_level=0}"
-# JAX's persistent compilation cache for the tests (TEST_JAX_CACHE, empty to turn it off): a later call on the
-# same warm machine (a run cut by its timeout, the same file again after a fix) loads what an earlier one
-# compiled instead of compiling it again. The kernels are found by their FFI target names when an executable
-# is loaded, so a rebuilt library is the one that runs. On this CPU, tests/test_fp8.py took 48.7 s with an
-# empty cache and 13.4 s with the first run's (thirty-sixth session); on a GPU it has not run yet.
-test_env=(env "XLA_FLAGS=$test_xla_flags")
-test_cache=${TEST_JAX_CACHE-/tmp/jax_mla_test_cache}
-[ -z "$test_cache" ] || test_env+=("JAX_COMPILATION_CACHE_DIR=$test_cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0)
 if (has check || has quickcheck) && [ $built -eq 0 ]; then
   note check
   subset=(); has check || subset=(-k small_spec)  # quickcheck: the `small` shapes only
-  "${test_env[@]}" timeout ${CHECK_TIMEOUT:=360} python3 -m pytest -q -p no:cacheprovider --durations=10 \
+  XLA_FLAGS=$test_xla_flags timeout ${CHECK_TIMEOUT:=360} python3 -m pytest -q -p no:cacheprovider --durations=10 \
     tests/test_arg_specs.py ${subset[@]+"${subset[@]}"} 2>&1 \
     | tee "$LOGS/check.log" | tail -20
   finished "check" "${PIPESTATUS[0]}" $CHECK_TIMEOUT || { status=1; [ -n "${KEEP_GOING:-}" ] || built=1; }  # wrong kernels: skip the rest
@@ -126,7 +118,7 @@ fi
 
 if has test && [ $built -eq 0 ]; then
   note pytest
-  "${test_env[@]}" timeout ${TEST_TIMEOUT:=300} python3 -m pytest ${PYTEST_ARGS:--x} -q -p no:cacheprovider \
+  XLA_FLAGS=$test_xla_flags timeout ${TEST_TIMEOUT:=300} python3 -m pytest ${PYTEST_ARGS:--x} -q -p no:cacheprovider \
     --durations=15 ${PYTEST_PATHS:-tests/} 2>&1 | tee "$LOGS/pytest.log" | tail -25
   finished "pytest" "${PIPESTATUS[0]}" $TEST_TIMEOUT || status=1
 fi

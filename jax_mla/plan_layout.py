@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 # Columns of the work table (plan_layout.h: WorkCol).
-W_REQUEST, W_QSTART, W_QLEN, W_QEND_OFFSET, W_KV_START, W_KV_END, W_PARTIAL_ROW, W_SPLIT = range(8)
+W_REQUEST, W_QSTART, W_QLEN, W_QEND_OFFSET, W_KV_START, W_KV_END, W_PARTIAL_ROW, W_WORKER = range(8)
 WORK_COLS = 8
 # Columns of the merge table (plan_layout.h: MergeCol).
 M_QSTART, M_QLEN, M_PARTIAL_ROW, M_NUM_SPLITS = range(4)

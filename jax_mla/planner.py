@@ -32,7 +32,7 @@ from . import plan_layout
 from .plan_layout import (  # noqa: F401
     KV_END_OPEN, M_NUM_SPLITS, M_PARTIAL_ROW, M_QLEN, M_QSTART, MERGE_COLS, ROWS_PER_TILE,
     SUPPORTED_PAGE_SIZES, W_KV_END, W_KV_START, W_PARTIAL_ROW, W_QEND_OFFSET, W_QLEN, W_QSTART,
-    W_REQUEST, W_SPLIT, WORK_COLS)
+    W_REQUEST, W_WORKER, WORK_COLS)
 
 __all__ = ["MLAPlan", "PlanTarget", "plan_mla", "plan_mla_numpy", "default_target", "gpu_target", "bucket",
            "SUPPORTED_PAGE_SIZES"]
@@ -312,8 +312,8 @@ def _pack_at(tile_kv: list, slots: int, span: int, ovh: int, align: int, min_pie
     """Tiles in order onto `slots` workers of `span` each (a unit costs its keys + ovh): a tile that
     does not fit where the worker is is cut at a multiple of `align`, both parts >= min_piece, or goes
     whole to the next worker; the last worker takes whatever is left. Returns the units (tile, first
-    key, keys, start on its worker; in worker order) and each worker's load."""
-    u_tile, u_start, u_len, u_t0 = [], [], [], []
+    key, keys, start on its worker, worker; in worker order) and each worker's load."""
+    u_tile, u_start, u_len, u_t0, u_w = [], [], [], [], []
     loads = [0] * slots
     w = used = 0
     for t, kv in enumerate(tile_kv):
@@ -328,7 +328,7 @@ def _pack_at(tile_kv: list, slots: int, span: int, ovh: int, align: int, min_pie
                 piece = min((span - used - ovh) // align, (r - min_piece) // align) * align
                 take = piece if piece >= min_piece else r if used == 0 else -1
             if take >= 0:
-                u_tile.append(t), u_start.append(s), u_len.append(take), u_t0.append(used)
+                u_tile.append(t), u_start.append(s), u_len.append(take), u_t0.append(used), u_w.append(w)
                 s += take
                 used += take + ovh
             if s == kv:  # the tile is placed; the next one starts on this worker
@@ -336,7 +336,7 @@ def _pack_at(tile_kv: list, slots: int, span: int, ovh: int, align: int, min_pie
             loads[w] = used
             w, used = w + 1, 0
     loads[w] = used
-    return (u_tile, u_start, u_len, u_t0), loads
+    return (u_tile, u_start, u_len, u_t0, u_w), loads
 
 
 def _pack(tile_kv: list, slots: int, ovh: int, align: int, min_piece: int, most: int):
@@ -375,7 +375,6 @@ def _write_split_units(w, m, n_split, unit_tile, unit_j, kv_start, kv_len, tile_
     w[W_KV_START, :n_units] = kv_start
     w[W_KV_END, :n_units] = np.where(unit_j == u_ns - 1, KV_END_OPEN, kv_start + kv_len)
     w[W_PARTIAL_ROW, :n_units] = np.where(u_ns > 1, part_base[unit_tile] + unit_j * u_qlen, -1)
-    w[W_SPLIT, :n_units] = unit_j
     split_idx = np.flatnonzero(n_split > 1)
     assert split_idx.size <= m.shape[1], "merge bucket overflow"
     m[M_QSTART, : split_idx.size] = tile_qstart[split_idx]
@@ -514,12 +513,13 @@ def plan_mla_numpy(
             packed = None
 
     if packed is not None:
-        (u_tile, u_start, u_len, u_t0), _ = packed
+        (u_tile, u_start, u_len, u_t0, u_w), _ = packed
         u_tile = np.asarray(u_tile, np.int64)
         first = np.r_[True, u_tile[1:] != u_tile[:-1]]  # a tile's units are consecutive
         unit_j = np.arange(u_tile.size) - np.flatnonzero(first)[np.cumsum(first) - 1]
         n_units, _ = _write_split_units(w, merge.T, n_split_b, u_tile, unit_j, np.asarray(u_start, np.int64),
                                         np.asarray(u_len, np.int64), tile_req, tile_qstart, tile_qlen, tile_eoff)
+        w[W_WORKER, :n_units] = u_w
         # By start on the worker (ties: worker order, which is the order _pack made them in).
         work[:n_units] = work[np.argsort(np.minimum(np.asarray(u_t0, np.int64), INT32_MAX), kind="stable")]
     elif chunk == 0:
@@ -543,6 +543,12 @@ def plan_mla_numpy(
     if packed is None:
         # Longest first: blocks are dispatched in order, so big units must not trail.
         work[:n_units] = work[np.argsort(-u_cost, kind="stable")]
+        # Their workers (a walk's blocks, plan_layout.h): dealt to the slots back and forth (round k
+        # forwards when k is even, backwards when odd), so that the longest of a round goes with the
+        # shortest of the last.
+        g = max(slots, 1)
+        pos = np.arange(n_units)
+        w[W_WORKER, :n_units] = np.where((pos // g) % 2 == 0, pos % g, g - 1 - pos % g)
     assert n_units <= n_work
 
     tokens = np.empty((num_tokens, 2), np.int32)

@@ -20,9 +20,9 @@ def _constant(name: str) -> int:
 def test_work_and_merge_columns():
     work = _enum("WorkCol")
     assert [work[k] for k in ("kWorkRequest", "kWorkQStart", "kWorkQLen", "kWorkQEndOffset", "kWorkKvStart",
-                              "kWorkKvEnd", "kWorkPartialRow", "kWorkSplitIndex", "kWorkCols")] == [
+                              "kWorkKvEnd", "kWorkPartialRow", "kWorkWorker", "kWorkCols")] == [
         L.W_REQUEST, L.W_QSTART, L.W_QLEN, L.W_QEND_OFFSET, L.W_KV_START, L.W_KV_END, L.W_PARTIAL_ROW,
-        L.W_SPLIT, L.WORK_COLS]
+        L.W_WORKER, L.WORK_COLS]
     merge = _enum("MergeCol")
     assert [merge[k] for k in ("kMergeQStart", "kMergeQLen", "kMergePartialRow", "kMergeNumSplits",
                                "kMergeCols")] == [L.M_QSTART, L.M_QLEN, L.M_PARTIAL_ROW, L.M_NUM_SPLITS,

@@ -49,9 +49,11 @@ def check_plan(plan, kv_device, capacity=1 << 30):
             continue
         units = live[(live[:, P.W_QSTART] == m[P.M_QSTART])]
         assert len(units) == m[P.M_NUM_SPLITS] >= 2
-        assert sorted(units[:, P.W_SPLIT]) == list(range(m[P.M_NUM_SPLITS]))
+        # split j of the tile writes its tokens at base + j * q_len: every j once
+        offsets = units[:, P.W_PARTIAL_ROW] - m[P.M_PARTIAL_ROW]
+        assert (offsets % m[P.M_QLEN] == 0).all()
+        assert sorted(offsets // m[P.M_QLEN]) == list(range(m[P.M_NUM_SPLITS]))
         for u in units:
-            assert u[P.W_PARTIAL_ROW] == m[P.M_PARTIAL_ROW] + u[P.W_SPLIT] * m[P.M_QLEN]
             rows.extend(range(u[P.W_PARTIAL_ROW], u[P.W_PARTIAL_ROW] + u[P.W_QLEN]))
     assert len(rows) == len(set(rows)), "partial rows overlap"
     assert all(0 <= r < plan.num_partial_rows for r in rows)
@@ -121,6 +123,14 @@ def dispatched_span(costs, workers):
     return max(free)
 
 
+def walked_span(plan, kv, overhead, workers):
+    """When the last worker finishes if each runs the units the plan names it for (kWorkWorker, modulo
+    the workers: the CUDA kernel's walk, mla_wide64_walk_sm90.cuh)."""
+    w = np.asarray(plan.work)
+    live = w[w[:, P.W_QLEN] > 0]
+    return np.bincount(live[:, P.W_WORKER] % workers, unit_keys(plan, kv) + overhead, minlength=workers).max()
+
+
 def test_even_splits_run_longest_first():
     kv = np.array([1000, 4096, 3000, 4096])
     plan = plan_mla(np.ones(4, int), kv, num_heads=16, page_size=16, target=PlanTarget(num_workers=4))
@@ -141,6 +151,10 @@ def test_ragged_batch_is_packed_onto_workers(planner):
     span = dispatched_span(keys + t.unit_overhead, workers)
     even_share = (kv.sum() + len(keys) * t.unit_overhead) / workers
     assert span <= 1.08 * even_share, (span, even_share)
+    # The same balance when each worker runs the units the plan names it for (a walk).
+    w = np.asarray(plan.work)
+    assert ((w[:, P.W_WORKER] >= 0) & (w[:, P.W_WORKER] < workers)).all()
+    assert walked_span(plan, kv, t.unit_overhead, workers) <= 1.08 * even_share
     # Equal parts of each request with at most one unit per worker (the plan before packing): the
     # smallest such chunk still leaves a part far longer than the packed span.
     chunk = next(c for c in range(64, 8193, 64) if (-(-kv // c)).sum() <= workers)
@@ -148,6 +162,25 @@ def test_ragged_batch_is_packed_onto_workers(planner):
     longest = (-(-(-(-kv // parts)) // 64) * 64).max()
     assert span < 0.92 * (longest + t.unit_overhead), (span, longest)
     assert len(keys) > 32 and (np.asarray(plan.merge)[:, P.M_QLEN] > 0).sum() >= 16
+
+
+@pytest.mark.parametrize("planner", ["native", "numpy"])
+def test_units_are_dealt_to_workers_back_and_forth(planner):
+    """Unsplit units (more tiles than slots) go to the slots in rounds, forwards then backwards: 128
+    requests at 128 heads on 66 slots (132 SMs, two head blocks a unit) are 2 units on 62 workers and 1 on
+    4, and a round's longest unit goes with the last round's shortest."""
+    kv = np.r_[np.full(64, 4096), np.full(64, 2048)]
+    plan_fn = plan_mla if planner == "native" else P.plan_mla_numpy
+    plan = plan_fn(np.ones(128, int), kv, num_heads=128, page_size=64, target=PlanTarget(num_workers=132))
+    w = np.asarray(plan.work)
+    live = w[w[:, P.W_QLEN] > 0]
+    assert len(live) == 128 and (live[:, P.W_PARTIAL_ROW] < 0).all()
+    assert list(live[:66, P.W_WORKER]) == list(range(66))
+    assert list(live[66:, P.W_WORKER]) == list(range(65, 3, -1))
+    assert sorted(np.bincount(live[:, P.W_WORKER], minlength=66)) == [1] * 4 + [2] * 62
+    # the 4096-key units first; the workers with the last of them take the first 2048-key ones
+    assert walked_span(plan, kv, 0, 66) == 4096 + 2048
+    assert (w[len(live):, P.W_WORKER] == 0).all()  # padding rows
 
 
 def test_shapes_are_bucketed(rng):

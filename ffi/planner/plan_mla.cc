@@ -85,7 +85,7 @@ std::vector<uint32_t> stable_order(const std::vector<uint32_t>& keys) {
 // planner._pack_at: the tiles in order onto `slots` workers of `span` each (a unit costs its keys +
 // ovh). Units come out in worker order; loads[w] is worker w's total.
 struct PackUnit {
-  int64_t tile, start, len, t0;  // t0: start on its worker
+  int64_t tile, start, len, t0, worker;  // t0: start on its worker
 };
 void pack_at(const Tiles& t, int64_t slots, int64_t span, int64_t ovh, int64_t align, int64_t min_piece,
              std::vector<PackUnit>& units, std::vector<int64_t>& loads) {
@@ -106,7 +106,7 @@ void pack_at(const Tiles& t, int64_t slots, int64_t span, int64_t ovh, int64_t a
         take = piece >= min_piece ? piece : used == 0 ? r : -1;
       }
       if (take >= 0) {
-        units.push_back({i, s, take, used});
+        units.push_back({i, s, take, used, w});
         s += take;
         used += take + ovh;
       }
@@ -274,10 +274,11 @@ Plan plan_mla(const PlanRequest& in) {
   std::vector<uint32_t> order;  // sort keys: INT32_MAX - cost (ascending keys = descending costs)
   units.reserve(chunk == 0 && !take_pack ? n_t : n_work);
   order.reserve(units.capacity());
-  auto add_unit = [&](const Tile& x, int64_t kv_start, int64_t kv_end, int64_t partial, int64_t split, int64_t c) {
+  // (kWorkWorker: the packed plan's worker here; the others' after the sort, below.)
+  auto add_unit = [&](const Tile& x, int64_t kv_start, int64_t kv_end, int64_t partial, int64_t c) {
     order.push_back((uint32_t)(kInt32Max - c));
     units.push_back({{(int32_t)x.req, (int32_t)x.qstart, (int32_t)x.qlen, (int32_t)x.eoff, (int32_t)kv_start,
-                      (int32_t)kv_end, (int32_t)partial, (int32_t)split}});
+                      (int32_t)kv_end, (int32_t)partial, 0}});
   };
   if (take_pack) {
     int64_t part_base = 0, n_merges = 0;
@@ -301,12 +302,13 @@ Plan plan_mla(const PlanRequest& in) {
       const bool last = j == pack_splits[u.tile] - 1;
       units.push_back({{(int32_t)x.req, (int32_t)x.qstart, (int32_t)x.qlen, (int32_t)x.eoff, (int32_t)u.start,
                         (int32_t)(last ? kKvEndOpen : u.start + u.len),
-                        (int32_t)(tile_base[u.tile] >= 0 ? tile_base[u.tile] + j * x.qlen : -1), (int32_t)j}});
+                        (int32_t)(tile_base[u.tile] >= 0 ? tile_base[u.tile] + j * x.qlen : -1),
+                        (int32_t)u.worker}});
       // By start on the worker; ties keep the worker order the units were made in (a stable sort).
       order.push_back((uint32_t)std::min(u.t0, kInt32Max));
     }
   } else if (chunk == 0) {
-    for (const Tile& x : t) add_unit(x, 0, kKvEndOpen, -1, 0, x.kv);
+    for (const Tile& x : t) add_unit(x, 0, kKvEndOpen, -1, x.kv);
   } else {
     int64_t part_base = 0, n_merges = 0;
     for (const Tile& x : t) {
@@ -316,7 +318,7 @@ Plan plan_mla(const PlanRequest& in) {
         const int64_t kv_start = j * tile_chunk;
         const bool last = j == n_split - 1;
         add_unit(x, kv_start, last ? kKvEndOpen : kv_start + tile_chunk, n_split > 1 ? part_base + j * x.qlen : -1,
-                 j, last ? x.kv - kv_start : tile_chunk);
+                 last ? x.kv - kv_start : tile_chunk);
       }
       if (n_split > 1) {
         if (n_merges >= n_merge) throw std::logic_error("jax_mla planner: merge bucket overflow");
@@ -335,6 +337,15 @@ Plan plan_mla(const PlanRequest& in) {
   const std::vector<uint32_t> sorted = stable_order(order);
   WorkRow* work = reinterpret_cast<WorkRow*>(plan.work.data());
   for (int64_t u = 0; u < n_units; ++u) work[u] = units[sorted[u]];
+  if (!take_pack) {
+    // planner.py: the longest-first units dealt to the slots back and forth (round k forwards when k is
+    // even, backwards when odd).
+    const int64_t g = std::max<int64_t>(slots, 1);
+    for (int64_t u = 0; u < n_units; ++u) {
+      const int64_t k = u / g, j = u % g;
+      work[u].col[kWorkWorker] = (int32_t)(k % 2 == 0 ? j : g - 1 - j);
+    }
+  }
   std::fill(work + n_units, work + n_work, WorkRow{});
 
   // ---- tokens: (request, offset from the end of its query block); padding (-1, 0).

@@ -29,6 +29,13 @@
 // tile combines them: split j of a tile with base b and q_len n stores local
 // token i at row b + j * n + i.
 //
+// Workers. The planner balances the units over `workers` = PlanTarget.num_workers x units_per_worker /
+// head blocks slots (on a GPU one per SM and head block) and names each unit's slot in kWorkWorker. Blocks
+// launched one per unit ignore it (the hardware hands them to SMs in row order, which is why a packed plan's
+// rows are ordered by their start on their worker); the 64-key body's walk (mla_wide64_walk_sm90.cuh) runs
+// on each of its blocks the units whose worker, modulo the blocks' count, is that block's, in row order. So
+// any value is safe; the planner's keep the walk's blocks as balanced as the plan.
+//
 // LSE convention everywhere (partials and the op's output): natural log of
 // sum_k exp(sm_scale * q.k); -inf when no key is visible, and then the output
 // row is zero.
@@ -46,7 +53,7 @@ enum WorkCol : int {
   kWorkKvStart = 4,    // first key of the split
   kWorkKvEnd = 5,      // one past the last key, or kKvEndOpen
   kWorkPartialRow = 6, // -1: write out/lse directly; else workspace base row
-  kWorkSplitIndex = 7, // index of this split within its tile (informational)
+  kWorkWorker = 7,     // the worker the planner placed the unit on, in [0, workers): see below
   kWorkCols = 8,
 };
 

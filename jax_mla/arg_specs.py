@@ -171,7 +171,8 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(16, 64, 1, 4096, batch=32, tags=_tags("target", "timing", "planner"), targets=_PEER),
     ArgSpec(16, 64, 1, 4096, batch=128, tags=_tags("target", "timing", "wide"), targets=(("TB/s", 4.1), ("peer", 1.0))),
     ArgSpec(16, 1, 1, 4096, batch=128, tags=_tags("target", "timing"), targets=_PEER),
-    ArgSpec(128, 64, 1, 4096, batch=128, tags=_tags("target", "timing", "wide"), targets=(("TFLOP/s", 660.0),)),
+    ArgSpec(128, 64, 1, 4096, batch=128, tags=_tags("target", "timing", "wide", "walk"),
+            targets=(("TFLOP/s", 660.0),)),
     ArgSpec(16, 64, 2, 4096, batch=128, tags=_tags("target"), targets=_PEER),
     ArgSpec(16, 64, 4, 4096, batch=128, tags=_tags("target"), targets=_PEER),
     ArgSpec(32, 64, 1, 4096, batch=128, tags=_tags("target", "wide"), targets=_PEER),
@@ -193,6 +194,13 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(128, 1, 1, 4096, batch=128, tags=_tags("extra", "pages")),
     ArgSpec(64, 16, 1, 4096, batch=128, tags=_tags("extra", "pages")),
     ArgSpec(16, 1, 2, 4096, batch=128, tags=_tags("extra", "pages")),
+    # ---- more 64-row units than workers (132 SMs / head blocks): data-parallel attention's large batches and
+    # MTP at 128 heads, each an exact number of units a worker; the standalone driver times them
+    # (`cases.py timing DIR --tag walk`) for the 64-key body's walk (-DJAX_MLA_WIDE64_WALK), where a block
+    # runs several units (ffi/cuda/NOTES.md, "thirty-seventh session"); 128 x 4096 h128 is the fourth
+    ArgSpec(128, 64, 1, 2048, batch=264, tags=_tags("walk")),
+    ArgSpec(128, 64, 2, 4096, batch=66, tags=_tags("walk")),
+    ArgSpec(64, 64, 1, 4096, batch=264, tags=_tags("walk")),
     # ---- planner sweep only
     ArgSpec(16, 64, 1, 8192, batch=8, tags=_tags("planner")),
     ArgSpec(128, 64, 1, 2048, batch=16, tags=_tags("planner")),

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <type_traits>
 
@@ -11,6 +12,7 @@
 #include "mla_attention_kernel.cuh"
 #include "mla_merge_kernel.cuh"
 #include "mla_sm90_kernel.cuh"
+#include "mla_wide64_walk_sm90.cuh"
 
 namespace jax_mla {
 namespace cuda {
@@ -146,6 +148,30 @@ inline KeyTensorMaps key_tensor_maps(const Problem& p, int box_rows = WideSm90::
   return maps;
 }
 
+// The walk's query maps (mla_wide64_walk_sm90.cuh): q_nope and q_pe as [tokens * heads] rows, boxes of
+// 64 rows x 128 bytes in the 128-byte swizzle. Disabled where the encoder is missing or fails, or the
+// rows do not fit the kernel's int row index.
+template <typename T>
+inline QueryTensorMaps query_tensor_maps(const Problem& p) {
+  QueryTensorMaps maps = {};
+  const auto encode = tensor_map_encoder();
+  const uint64_t rows = (uint64_t)p.num_tokens * (uint64_t)p.num_heads;
+  if (encode == nullptr || rows == 0 || rows >= (1ull << 31)) return maps;
+  const CUtensorMapDataType type =
+      std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  auto make = [&](CUtensorMap* map, const void* data, uint64_t dims) {
+    const cuuint64_t size[2] = {dims, rows};
+    const cuuint64_t stride[1] = {dims * sizeof(T)};
+    const cuuint32_t box[2] = {128u / (cuuint32_t)sizeof(T), (cuuint32_t)kRowsPerTile};
+    const cuuint32_t step[2] = {1, 1};
+    return encode(map, type, 2, const_cast<void*>(data), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  maps.enabled = make(&maps.nope, p.q_nope, kDimCkv) && make(&maps.pe, p.q_pe, kDimKpe) ? 1 : 0;
+  return maps;
+}
+
 // The attention kernel: one block per work unit and head block. kCache: how the
 // cache is stored (mla_fp8.cuh; fp8 only with bf16 / fp16 queries).
 template <typename T, int kCache = kCacheAsQuery>
@@ -182,6 +208,23 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
           const KeyTensorMaps maps =
               key_tensor_maps<T, kCache>(p, p.page_size >= Wide64Sm90::BK ? Wide64Sm90::BK : WideSm90::BK);
           if (maps.enabled) {
+#ifdef JAX_MLA_WIDE64_WALK  // (an A/B build, off by default: the walk, mla_wide64_walk_sm90.cuh)
+            if constexpr (kCache == kCacheAsQuery) {
+              if (p.num_heads % Wide64Sm90::ROWS == 0) {
+                const QueryTensorMaps qmaps = query_tensor_maps<T>(p);
+                if (qmaps.enabled) {
+#ifdef JAX_MLA_WIDE64_WALK_WORKERS  // (a test build: few workers, so that every walk is long)
+                  const int most = JAX_MLA_WIDE64_WALK_WORKERS;
+#else
+                  const int most = sm_count() / p.head_blocks;
+#endif
+                  const int workers = std::max(1, std::min(p.num_work, most));
+                  return launch_with_smem<mla_attention_wide64_walk_kernel<T>>(
+                      workers * p.head_blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream, p, maps, qmaps);
+                }
+              }
+            }
+#endif
             if constexpr (kCache == kCacheFp8Ckv) {
               // fp8_products: the instance whose 64-key units multiply on e4m3 (lossy; the caller's choice).
               if (p.fp8_products) {

@@ -93,6 +93,9 @@ struct Wide64Sm90 {
   static __device__ __forceinline__ uint32_t free_bar(uint32_t base, int buf) {
     return base + BAR_OFF + (2 * TILES + 4 + buf) * 8;
   }
+  // The walk's query tile (mla_wide64_walk_sm90.cuh; 16-bit caches only): its TMA boxes complete on the
+  // slot of an fp8 cache's free_bar(0), which a 16-bit cache does not use.
+  static __device__ __forceinline__ uint32_t query_bar(uint32_t base) { return free_bar(base, 0); }
   // fp8 cache: the first tile of a buffer's raw e4m3 block (raw panel p, dims 128 p .. 128 p + 127,
   // in tile RAW0 + p): the half its next block's S warpgroup frees first. Buffer 0 (blocks A):
   // tiles 0-3 (WG0's P V from registers reads them, first of the four); buffer 1 (blocks B): tiles 4-7
@@ -461,17 +464,35 @@ __device__ __forceinline__ void wide64_zero_rows(uint32_t kbuf, int from, int ti
   named_barrier_sync(W::kWarpgroup0 + HALF, 128);
 }
 
+// The walk's unit that starts off a box: rows [0, to) of the eight latent tiles of the block in kbuf, the
+// keys below the unit's first key, set to zero by warpgroup 0 (tid 0-127) once its S of the block is
+// done, before either warpgroup's P V reads them (their P is 0, but their bytes, another split's keys,
+// may hold a NaN, and 0 times a NaN is NaN); fenced for the async proxy, which the hand-offs before
+// warpgroup 1's reads then order.
+__device__ __forceinline__ void wide64_zero_low_rows(uint32_t kbuf, int to, int tid) {
+  using W = Wide64Sm90;
+#pragma unroll 1
+  for (int idx = tid; idx < to << 6; idx += 128) {
+    const int r = idx >> 6, c = idx & 63;  // chunk c of row r: tile c / 8
+    st_shared_v4(kbuf + (c >> 3) * W::TILE + r * 128 + ((c & 7) << 4), make_uint4(0, 0, 0, 0));
+  }
+  fence_proxy_async_shared();
+  named_barrier_sync(W::kWarpgroup0, 128);
+}
+
 // Masks and scales the scores of block blk (key0: its first key) in S's accumulator layout: keys of a
 // box on a bad page (the block's mask word; kKeys, gathered blocks: a key's bit of the key mask) or
-// past a row's limit get -inf, the rest times the row's base-2 softmax scale.
-template <bool kKeys = false>
+// past a row's limit get -inf, the rest times the row's base-2 softmax scale. kLow: keys below key_lo
+// too (the walk's unit that starts off a box: its first block starts on the box below).
+template <bool kKeys = false, bool kLow = false>
 __device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC], uint32_t base, int blk, int key0,
-                                                   const int (&limit)[2], const float (&scale_log2)[2], int t4) {
+                                                   const int (&limit)[2], const float (&scale_log2)[2], int t4,
+                                                   int key_lo = 0) {
   using W = Wide64Sm90;
   using Mask = std::conditional_t<kKeys, uint64_t, uint32_t>;
   const uint32_t at = kKeys ? W::keymask_addr(opaque(base), blk) : W::mask_addr(opaque(base), blk);
   const Mask ok = *reinterpret_cast<const Mask*>(__cvta_shared_to_generic(at));
-  if (ok == (kKeys ? ~Mask(0) : Mask(3)) && key0 + W::BK <= min(limit[0], limit[1])) {
+  if (ok == (kKeys ? ~Mask(0) : Mask(3)) && key0 + W::BK <= min(limit[0], limit[1]) && (!kLow || key0 >= key_lo)) {
 #pragma unroll
     for (int i = 0; i < W::SACC; ++i) x[i] *= scale_log2[(i >> 1) & 1];
     return;
@@ -482,10 +503,26 @@ __device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC],
     for (int e = 0; e < 4; ++e) {
       const int kl = 8 * j + 2 * t4 + (e & 1);
       const bool key_ok = (ok >> (kKeys ? kl : j >> 2)) & 1;  // boxes: keys 8j .. 8j + 7 lie in box j / 4
-      x[4 * j + e] = key_ok && key0 + kl < limit[e >> 1] ? x[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
+      const bool in_range = key0 + kl < limit[e >> 1] && (!kLow || key0 + kl >= key_lo);
+      x[4 * j + e] = key_ok && in_range ? x[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
     }
   }
 }
+
+// A unit's place in a walk (kWalk: mla_wide64_walk_sm90.cuh, a block that runs unit after unit): the
+// phases its barriers are in when it starts (they are not initialised again between units), the parity
+// of its query tile's barrier, and its first key. A block of one unit passes none of it.
+struct Wide64Walk {
+  int phase_a;   // buffer 0's tile barriers and the four hand-offs: each turns once a pair
+  int phase_b;   // buffer 1's tile barriers: one turn fewer than buffer 0 in a unit of an odd block count
+  int q_parity;  // the query barrier (query_bar): one turn a unit
+  int key_lo;    // the unit's first key: its blocks start on the box at or below it, keys below it masked
+};
+// What a block of one unit passes for the walk's epilogue hooks (never called).
+struct Wide64NoWalk {
+  __device__ __forceinline__ void find_next() {}
+  __device__ __forceinline__ void queries_free() {}
+};
 
 // One warpgroup of the body (HALF = 0: WG0, block A and O's left half; 1: WG1, block B, right half).
 // An fp8 ckv (kCache == kCacheFp8Ckv): the raw block comes by TMA into one half of its buffer
@@ -496,10 +533,17 @@ __device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC],
 // queries brought into fp16's range per row as in v5b (wide_prepare_queries_fp8).
 // kGather: a 16-bit cache on pages of fewer than 32 keys; the blocks come by cp.async
 // (wide64_gather_half), issued where the TMA path issues its boxes, by the whole warpgroup.
-template <typename T, int kCache, int HALF, bool kGather = false, bool kPageBoxes = false>
+// kWalk: one unit of a walk (mla_wide64_walk_sm90.cuh; a 16-bit cache, blocks by TMA): the query tile was
+// issued by TMA before (query_bar), the barriers' phases and the first key come in `walk`, and the
+// epilogue calls hooks.find_next() while it stages the rows and hooks.queries_free() once the query
+// panels and P1 are free (the next unit's tile goes in beside the row copies).
+template <typename T, int kCache, int HALF, bool kGather = false, bool kPageBoxes = false, bool kWalk = false,
+          typename WalkHooks = Wide64NoWalk>
 __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
-                                                 int hb, uint32_t base_in) {
+                                                 int hb, uint32_t base_in, Wide64Walk walk = {},
+                                                 WalkHooks* hooks = nullptr) {
   using W = Wide64Sm90;
+  static_assert(!kWalk || (kCache == kCacheAsQuery && !kGather), "the walk: a 16-bit cache read by TMA");
   using MT = LatentMmaType<T, kCache>;
   constexpr bool kFp8 = kCache == kCacheFp8Ckv;
   // An fp8 ckv: base broadcast from lane 0, so that ptxas knows it is warp-uniform. Without it ptxas kept
@@ -521,6 +565,8 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   // Broadcast from lane 0: the compiler then knows the loop is warp-uniform, which wgmma needs.
   const int num_blocks = __shfl_sync(0xffffffffu, (u.range_end - u.kv_begin + W::BK - 1) / W::BK, 0);
   const int last_rows = u.range_end - u.kv_begin - (num_blocks - 1) * W::BK;  // keys of the last block
+  // The walk: keys of the first block below the unit's first key (a unit that starts off a box).
+  const int low_rows = kWalk ? __shfl_sync(0xffffffffu, walk.key_lo - u.kv_begin, 0) : 0;
   auto stat_ptr = [&](int which, int row) { return W::stat(base, which, row); };
   const uint32_t kb0 = W::buf_addr(base, 0), kb1 = W::buf_addr(base, 1), q_panels = base + W::Q_OFF;
 
@@ -547,10 +593,13 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   JAX_MLA_TRACE_AT(0, 9);
   // Queries: rows r = (token r / hb, head h0 + r % hb), padding rows zero; the latent part into
   // the query panels, the rope part into P1's panel, from where each warpgroup takes it into registers.
-  load_query_tile<T, W::ROWS, W::kThreads>(p, u, h0, hb, rows, threadIdx.x, [&](int rr, int c) {
-    return c < 64 ? base + W::Q_OFF + WideSm90::chunk_offset(rr, c, W::QPANEL)
-                  : base + W::P1_OFF + WideSm90::chunk_offset(rr, c - 64, 0);
-  });
+  // (The walk's tile is in flight already: TMA boxes in the same places.)
+  if constexpr (!kWalk) {
+    load_query_tile<T, W::ROWS, W::kThreads>(p, u, h0, hb, rows, threadIdx.x, [&](int rr, int c) {
+      return c < 64 ? base + W::Q_OFF + WideSm90::chunk_offset(rr, c, W::QPANEL)
+                    : base + W::P1_OFF + WideSm90::chunk_offset(rr, c - 64, 0);
+    });
+  }
   if constexpr (kGather) {
     // The queries are one cp.async group (waited for below); the gathers arrive on the tiles'
     // barriers and stay out of every group.
@@ -584,13 +633,20 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   // An fp8 cache's scales, read while the queries land: read after the barrier below, their round trip
   // came after the queries' (each thread waits for the load where it is read, here).
   const CacheScales scales = cache_scales<kCache>(p);
-  if constexpr (kGather) {
-    cp_async_wait<0>();  // the queries' group only
+  if constexpr (kWalk) {
+    // The boxes' bytes are counted on the barrier, whose wait makes them visible to this thread's
+    // ldmatrix and (async proxy to async proxy) to its wgmma. The block masks thread 0 wrote are
+    // published by its arrivals on the tiles' barriers, which every S waits for.
+    mbar_wait(W::query_bar(base), walk.q_parity);
   } else {
-    cp_async_wait_all();
+    if constexpr (kGather) {
+      cp_async_wait<0>();  // the queries' group only
+    } else {
+      cp_async_wait_all();
+    }
+    fence_proxy_async_shared();  // the query panels reach wgmma's reads
+    named_barrier_sync(W::kBoth, W::kThreads);
   }
-  fence_proxy_async_shared();  // the query panels reach wgmma's reads
-  named_barrier_sync(W::kBoth, W::kThreads);
   JAX_MLA_TRACE_AT(0, 2);
   // The softmax scale in base 2 of the thread's rows (times an fp8 cache's s_c, and over the power
   // of two its queries were scaled by: then per row).
@@ -612,7 +668,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   // Masks and scales the scores of block blk (key0: its first key).
   auto mask = [&](int blk, int key0) {
     return [&, blk, key0](float (&x)[W::SACC]) {
-      wide64_mask_scores<kGather>(x, base, blk, key0, limit, scale_log2, t4);
+      wide64_mask_scores<kGather, kWalk>(x, base, blk, key0, limit, scale_log2, t4, walk.key_lo);
     };
   };
 
@@ -633,14 +689,17 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   if constexpr (HALF == 0) {
     if (num_blocks > 0) {
       if constexpr (kFp8) convert(0, 0, false, 0);
-      wide64_scores<T, MT, kFp8, true, 0, W::TILES, kGather>(s, q_rope, base, kb0, 0, 0, true);
+      wide64_scores<T, MT, kFp8, true, 0, W::TILES, kGather>(s, q_rope, base, kb0, 0, kWalk ? walk.phase_a : 0, true);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(s);
+      if constexpr (kWalk) {
+        if (low_rows > 0) wide64_zero_low_rows(kb0, low_rows, tid);  // block 0 is read as K: its low V rows go
+      }
     }
   } else if (num_blocks > 1) {
     if constexpr (kFp8) convert(1, 0, false, 0);
-    wide64_scores<T, MT, kFp8, false, 0, W::TILES, kGather>(s, q_rope, base, kb1, 1, 0, true);
+    wide64_scores<T, MT, kFp8, false, 0, W::TILES, kGather>(s, q_rope, base, kb1, 1, kWalk ? walk.phase_b : 0, true);
     wgmma_commit();
     wgmma_wait<0>();
     fence_registers(s);
@@ -653,7 +712,8 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   for (int pair = 0; 2 * pair < num_blocks; ++pair) {
     const int blk_a = 2 * pair, blk_b = blk_a + 1;
     const bool has_b = blk_b < num_blocks, next_a = blk_a + 2 < num_blocks, next_b = blk_b + 2 < num_blocks;
-    const int parity = pair & 1;
+    // The pair's hand-offs and buffer 0's fill (the walk: in the phases its unit started in).
+    const int parity = (pair & 1) ^ (kWalk ? walk.phase_a : 0);
     const int key0 = u.kv_begin + blk_a * W::BK;
     const bool a_partial = blk_a == num_blocks - 1 && last_rows < W::BK;
     const bool b_partial = blk_b == num_blocks - 1 && last_rows < W::BK;
@@ -863,8 +923,9 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       if constexpr (kFp8) {
         if (next_b) convert(1, parity ^ 1, true, parity);
       }
-      wide64_scores<T, MT, kFp8, false, 0, W::TILES, kGather>(s, q_rope, base, next_b ? kb1 : q_panels, 1, parity ^ 1,
-                                                              next_b);
+      // (Buffer 1's barriers are a turn behind buffer 0's after a walk's unit of an odd block count.)
+      wide64_scores<T, MT, kFp8, false, 0, W::TILES, kGather>(
+          s, q_rope, base, next_b ? kb1 : q_panels, 1, parity ^ 1 ^ (kWalk ? walk.phase_a ^ walk.phase_b : 0), next_b);
       wgmma_commit();
       JAX_MLA_TRACE_AT(pair + 1, 10);
       JAX_MLA_TRACE_AT(pair + 1, 11);
@@ -879,11 +940,22 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
     if (num_blocks & 1) named_barrier_sync(W::kWarpgroup0 + 1, 128);
   }
   JAX_MLA_TRACE_AT(0, 4);
-  store_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out,
-                            [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); }, W::kBoth, W::kThreads,
-                            base + W::K_OFF, threadIdx.x);
-  static_assert(kStagedRowsBytes <= 2 * W::BUF, "the staged rows fit in the key buffers");
-  wgmma_wait<0>();  // the last trip's thrown-away S (its query-panel reads) before the exit
+  auto sum_ptr = [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); };
+  if constexpr (kWalk) {
+    hooks->find_next();  // the next unit's plan row and device length, read while the rows are staged
+    stage_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out, sum_ptr, W::kBoth,
+                              W::kThreads, base + W::K_OFF);
+    wgmma_wait<0>();  // the last trip's thrown-away S: the query panels are read
+    fence_proxy_async_shared();  // the rows reach the bulk copies' reads
+    named_barrier_sync(W::kBoth, W::kThreads);
+    hooks->queries_free();  // the query panels and P1 (P_B of the last pair, read) take the next unit's tile
+    copy_staged_rows<T>(p, u, h0, hb, rows, base + W::K_OFF, threadIdx.x);
+  } else {
+    store_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out, sum_ptr, W::kBoth, W::kThreads,
+                              base + W::K_OFF, threadIdx.x);
+    wgmma_wait<0>();  // the last trip's thrown-away S (its query-panel reads) before the exit
+  }
+  static_assert(kStagedRowsBytes <= W::BUF, "the staged rows fit in key buffer 0");
   JAX_MLA_TRACE_AT(0, 5);
   JAX_MLA_TRACE_END();
 }

@@ -682,19 +682,21 @@ __device__ __forceinline__ void publish_row_sums(const float (&l_run)[2], const 
   }
 }
 
-// The end of a two-warpgroup body (this one and mla_wide64_sm90.cuh's): each warpgroup's row
-// sums (a row's keys sit in four lanes) meet in shared memory (sum_ptr(half, row)) at a named
-// barrier across both warpgroups (`threads` of them, ctid = 0 .. threads - 1 among them); then each
+// The end of a two-warpgroup body (this one and mla_wide64_sm90.cuh's), in two stages.
+// stage_two_halves: each warpgroup's row sums (a row's keys sit in four lanes) meet in shared memory
+// (sum_ptr(half, row)) at a named barrier across both warpgroups (`threads` of them); then each
 // warpgroup writes its 256 columns of every row, normalised, as T (a split unit's partial rows too)
 // into `stage`: the body's key buffers, free once both warpgroups' last MMAs are done (before the
-// barrier), rows padded by 16 bytes so that the fragments' stores fall in distinct banks. Then one
-// bulk copy per row to global memory; warpgroup 0 writes the LSEs. Per thread 4-byte global stores
-// of the fragments took ~8,000 cycles a 64-row tile (NOTES.md, "third session").
+// barrier), rows padded by 16 bytes so that the fragments' stores fall in distinct banks; warpgroup 0
+// writes the LSEs. store_two_halves then fences, meets at the barrier again and copies the rows out,
+// one bulk copy per row (ctid = 0 .. threads - 1 among the threads). Per thread 4-byte global stores
+// of the fragments took ~8,000 cycles a 64-row tile (NOTES.md, "third session"). The 64-key body's
+// walk (mla_wide64_walk_sm90.cuh) does its own work between the two stages.
 template <typename T, int HALF, typename SumPtr>
-__device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u, int h0, int hb, int rows,
+__device__ __forceinline__ void stage_two_halves(const Problem& p, const Unit& u, int h0, int hb, int rows,
                                                  const int (&r)[2], int t4, const float (&l_run)[2],
                                                  const float (&m_run)[2], const float (&o)[128], float out_scale,
-                                                 SumPtr sum_ptr, int barrier, int threads, uint32_t stage, int ctid) {
+                                                 SumPtr sum_ptr, int barrier, int threads, uint32_t stage) {
   publish_row_sums<HALF>(l_run, r, t4, sum_ptr);
   named_barrier_sync(barrier, threads);
   constexpr int pitch = kStagedRowPitch<T>;
@@ -710,6 +712,13 @@ __device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u
     }
     if (HALF == 0 && t4 == 0 && r[e] < rows) store_row_lse(p, u, h0, hb, r[e], m_run[e], l);
   }
+}
+template <typename T, int HALF, typename SumPtr>
+__device__ __forceinline__ void store_two_halves(const Problem& p, const Unit& u, int h0, int hb, int rows,
+                                                 const int (&r)[2], int t4, const float (&l_run)[2],
+                                                 const float (&m_run)[2], const float (&o)[128], float out_scale,
+                                                 SumPtr sum_ptr, int barrier, int threads, uint32_t stage, int ctid) {
+  stage_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, out_scale, sum_ptr, barrier, threads, stage);
   fence_proxy_async_shared();  // the rows reach the bulk copies' reads
   named_barrier_sync(barrier, threads);
   copy_staged_rows<T>(p, u, h0, hb, rows, stage, ctid);

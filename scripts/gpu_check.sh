@@ -40,6 +40,11 @@ finished() {
   return $2
 }
 
+# The driver's cases (planning only, on the CPU): jax_mla from this checkout, so that the sanitize and timing
+# steps run without the build step too (a driver built by hand, HARNESS=...); without the native module
+# the NumPy planner makes the same plans.
+cases_py() { PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py "$@"; }
+
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv > "$LOGS/gpu.txt" 2>&1
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' >> "$LOGS/gpu.txt" 2>&1
 
@@ -134,7 +139,7 @@ if has sanitize && [ $built -eq 0 ]; then
   # SANITIZE_WIDE=1: only the cases with units of > 16 rows (the wgmma bodies; the driver built, 13 cases
   # made and all three tools run in 53 s on 2026-12-02), so that
   # `build check test sanitize bench` fits in one 600 s device call.
-  JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py make /tmp/mla_cases ${SANITIZE_WIDE:+--wide} \
+  cases_py make /tmp/mla_cases ${SANITIZE_WIDE:+--wide} \
     | tee "$LOGS/harness_cases.log"
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     note "compute-sanitizer --tool $tool $harness"
@@ -146,7 +151,7 @@ if has sanitize && [ $built -eq 0 ]; then
     tail -4 "$LOGS/sanitizer_$tool.log"
     echo "compute-sanitizer $tool exit $rc" | tee -a "$LOGS/summary.txt"
   done
-  JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py check /tmp/mla_cases 2>&1 | tee -a "$LOGS/summary.txt"
+  cases_py check /tmp/mla_cases 2>&1 | tee -a "$LOGS/summary.txt"
   finished "cases.py check" "${PIPESTATUS[0]}" - || status=1
   if [ -n "${JAX_SANITIZE:-}" ]; then  # the same kernels under JAX (segfaulted here once)
     note "compute-sanitizer memcheck (JAX process)"
@@ -171,7 +176,7 @@ if has timing && [ $built -eq 0 ]; then
   note "driver timing"
   # TIMING_L2=1: the same plans again with the keys in L2 (cases.py timing --l2).
   for l2 in "" ${TIMING_L2:+_l2}; do
-    JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing /tmp/mla_timing$l2 ${l2:+--l2} \
+    cases_py timing /tmp/mla_timing$l2 ${l2:+--l2} \
       > "$LOGS/timing${l2}_cases.log" 2>&1
     timeout 240 build/gpu/sanitize_harness --time /tmp/mla_timing$l2/time*.bin 2>&1 | tee "$LOGS/timing$l2.log"
     finished "driver timing$l2" "${PIPESTATUS[0]}" 240 || status=1

@@ -144,15 +144,17 @@ __device__ __forceinline__ int tma_box_row(bool ok, int page, int key, int page_
 // the row), four of them consecutive: a block's latent keys in the e4m3 stages and the 64-key body.
 constexpr int kKeyPanelBytes = 64 * 128;
 
-// Rows [from, 64) of PANELS consecutive key panels (four by default) set to zero by one warpgroup
+// Rows [from, to) of PANELS consecutive key panels (four by default) set to zero by one warpgroup
 // (tid 0-127). A box the range ends in comes whole from its page, so a unit's last block holds keys
-// past the range whose bytes (NaN among them, in a pool) must not reach P V: 0 times a NaN is NaN.
+// past the range whose bytes (NaN among them, in a pool) must not reach P V: 0 times a NaN is NaN
+// (rows [from, 64)); a walk's unit that starts off a box holds keys before its start (rows [0, to),
+// all eight latent panels: mla_wide64_sm90.cuh).
 template <int PANELS = 4>
-__device__ __forceinline__ void zero_key_panel_rows(uint32_t panels, int from, int tid) {
-  static_assert(PANELS == 2 || PANELS == 4, "a half or a whole block's latent panels");
-  constexpr int kShift = PANELS == 4 ? 5 : 4;  // 16-byte chunks a row: 8 PANELS = 2^kShift
+__device__ __forceinline__ void zero_key_panel_rows(uint32_t panels, int from, int tid, int to = 64) {
+  static_assert(PANELS == 2 || PANELS == 4 || PANELS == 8, "a half, a warpgroup's or a whole block's latent panels");
+  constexpr int kShift = PANELS == 8 ? 6 : PANELS == 4 ? 5 : 4;  // 16-byte chunks a row: 8 PANELS = 2^kShift
 #pragma unroll 1
-  for (int idx = tid; idx < (64 - from) << kShift; idx += 128) {
+  for (int idx = tid; idx < (to - from) << kShift; idx += 128) {
     const int r = from + (idx >> kShift), c = idx & ((1 << kShift) - 1);  // chunk c of row r: panel c / 8
     st_shared_v4(panels + (c >> 3) * kKeyPanelBytes + r * 128 + ((c & 7) << 4), make_uint4(0, 0, 0, 0));
   }

@@ -108,6 +108,19 @@ inline decltype(&cuTensorMapEncodeTiled) tensor_map_encoder() {
   return fn;
 }
 
+// A 2-D tensor map of `rows` rows of `dims` elements (`bytes` each) at `data`, in boxes of 128 bytes x box_rows
+// rows in the 128-byte swizzle (the wgmma bodies' panels); false where encoding fails.
+inline bool encode_row_boxes(decltype(&cuTensorMapEncodeTiled) encode, CUtensorMap* map, CUtensorMapDataType dtype,
+                             const void* data, uint64_t dims, uint64_t rows, int bytes, int box_rows,
+                             CUtensorMapL2promotion promotion) {
+  const cuuint64_t size[2] = {dims, rows};
+  const cuuint64_t stride[1] = {dims * bytes};  // bytes between rows
+  const cuuint32_t box[2] = {128u / bytes, (cuuint32_t)box_rows};
+  const cuuint32_t step[2] = {1, 1};
+  return encode(map, dtype, 2, const_cast<void*>(data), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // The wide body's TMA descriptors of the caches (a host computation: no device
 // work, legal during stream capture). Left disabled for an fp8 kpe (that cache takes the
 // portable body), page sizes below a key block, and where encoding fails. An fp8 ckv is
@@ -133,13 +146,7 @@ inline KeyTensorMaps key_tensor_maps(const Problem& p, int box_rows = WideSm90::
     const CUtensorMapDataType type =
         std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     auto make = [&](CUtensorMap* map, const void* data, uint64_t dims, CUtensorMapDataType dtype, int bytes) {
-      const cuuint64_t size[2] = {dims, rows};
-      const cuuint64_t stride[1] = {dims * bytes};  // bytes between rows
-      const cuuint32_t box[2] = {128u / bytes, (cuuint32_t)box_rows};  // 128 bytes x one key block
-      const cuuint32_t step[2] = {1, 1};
-      return encode(map, dtype, 2, const_cast<void*>(data), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                    CU_TENSOR_MAP_SWIZZLE_128B, promotion,
-                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+      return encode_row_boxes(encode, map, dtype, data, dims, rows, bytes, box_rows, promotion);  // one key block
     };
     const bool ckv_ok = kCache == kCacheFp8Ckv ? make(&maps.ckv, p.ckv, kDimCkv, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1)
                                                : make(&maps.ckv, p.ckv, kDimCkv, type, (int)sizeof(T));
@@ -160,13 +167,8 @@ inline QueryTensorMaps query_tensor_maps(const Problem& p) {
   const CUtensorMapDataType type =
       std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   auto make = [&](CUtensorMap* map, const void* data, uint64_t dims) {
-    const cuuint64_t size[2] = {dims, rows};
-    const cuuint64_t stride[1] = {dims * sizeof(T)};
-    const cuuint32_t box[2] = {128u / (cuuint32_t)sizeof(T), (cuuint32_t)kRowsPerTile};
-    const cuuint32_t step[2] = {1, 1};
-    return encode(map, type, 2, const_cast<void*>(data), size, stride, box, step, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return encode_row_boxes(encode, map, type, data, dims, rows, (int)sizeof(T), kRowsPerTile,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   };
   maps.enabled = make(&maps.nope, p.q_nope, kDimCkv) && make(&maps.pe, p.q_pe, kDimKpe) ? 1 : 0;
   return maps;

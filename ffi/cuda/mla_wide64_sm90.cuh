@@ -464,22 +464,6 @@ __device__ __forceinline__ void wide64_zero_rows(uint32_t kbuf, int from, int ti
   named_barrier_sync(W::kWarpgroup0 + HALF, 128);
 }
 
-// The walk's unit that starts off a box: rows [0, to) of the eight latent tiles of the block in kbuf, the
-// keys below the unit's first key, set to zero by warpgroup 0 (tid 0-127) once its S of the block is
-// done, before either warpgroup's P V reads them (their P is 0, but their bytes, another split's keys,
-// may hold a NaN, and 0 times a NaN is NaN); fenced for the async proxy, which the hand-offs before
-// warpgroup 1's reads then order.
-__device__ __forceinline__ void wide64_zero_low_rows(uint32_t kbuf, int to, int tid) {
-  using W = Wide64Sm90;
-#pragma unroll 1
-  for (int idx = tid; idx < to << 6; idx += 128) {
-    const int r = idx >> 6, c = idx & 63;  // chunk c of row r: tile c / 8
-    st_shared_v4(kbuf + (c >> 3) * W::TILE + r * 128 + ((c & 7) << 4), make_uint4(0, 0, 0, 0));
-  }
-  fence_proxy_async_shared();
-  named_barrier_sync(W::kWarpgroup0, 128);
-}
-
 // Masks and scales the scores of block blk (key0: its first key) in S's accumulator layout: keys of a
 // box on a bad page (the block's mask word; kKeys, gathered blocks: a key's bit of the key mask) or
 // past a row's limit get -inf, the rest times the row's base-2 softmax scale. kLow: keys below key_lo
@@ -518,11 +502,6 @@ struct Wide64Walk {
   int q_parity;  // the query barrier (query_bar): one turn a unit
   int key_lo;    // the unit's first key: its blocks start on the box at or below it, keys below it masked
 };
-// What a block of one unit passes for the walk's epilogue hooks (never called).
-struct Wide64NoWalk {
-  __device__ __forceinline__ void find_next() {}
-  __device__ __forceinline__ void queries_free() {}
-};
 
 // One warpgroup of the body (HALF = 0: WG0, block A and O's left half; 1: WG1, block B, right half).
 // An fp8 ckv (kCache == kCacheFp8Ckv): the raw block comes by TMA into one half of its buffer
@@ -538,7 +517,7 @@ struct Wide64NoWalk {
 // epilogue calls hooks.find_next() while it stages the rows and hooks.queries_free() once the query
 // panels and P1 are free (the next unit's tile goes in beside the row copies).
 template <typename T, int kCache, int HALF, bool kGather = false, bool kPageBoxes = false, bool kWalk = false,
-          typename WalkHooks = Wide64NoWalk>
+          typename WalkHooks = void>
 __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                  int hb, uint32_t base_in, Wide64Walk walk = {},
                                                  WalkHooks* hooks = nullptr) {
@@ -694,7 +673,15 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
       wgmma_wait<0>();
       fence_registers(s);
       if constexpr (kWalk) {
-        if (low_rows > 0) wide64_zero_low_rows(kb0, low_rows, tid);  // block 0 is read as K: its low V rows go
+        // Block 0 is read as K: the V rows of the keys below the unit's start go, in all eight latent tiles,
+        // before either warpgroup's P V (their P is 0, but their bytes, another split's keys, may hold a NaN);
+        // fenced for the async proxy, which the hand-offs before warpgroup 1's reads then order.
+        static_assert(W::TILE == kKeyPanelBytes, "the tiles are key panels");
+        if (low_rows > 0) {
+          zero_key_panel_rows<8>(kb0, 0, tid, low_rows);
+          fence_proxy_async_shared();
+          named_barrier_sync(W::kWarpgroup0, 128);
+        }
       }
     }
   } else if (num_blocks > 1) {

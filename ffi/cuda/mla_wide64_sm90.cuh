@@ -501,6 +501,11 @@ struct Wide64Walk {
   int phase_b;   // buffer 1's tile barriers: one turn fewer than buffer 0 in a unit of an odd block count
   int q_parity;  // the query barrier (query_bar): one turn a unit
   int key_lo;    // the unit's first key: its blocks start on the box at or below it, keys below it masked
+  // The phases a unit of num_blocks blocks leaves (the body returns them, so that the count is computed in
+  // one place: a walk that advanced its phases by another count would wait on a phase that never comes).
+  __device__ __forceinline__ Wide64Walk after(int num_blocks) const {
+    return {phase_a ^ (((num_blocks + 1) >> 1) & 1), phase_b ^ ((num_blocks >> 1) & 1), q_parity ^ 1, key_lo};
+  }
 };
 
 // One warpgroup of the body (HALF = 0: WG0, block A and O's left half; 1: WG1, block B, right half).
@@ -515,10 +520,11 @@ struct Wide64Walk {
 // kWalk: one unit of a walk (mla_wide64_walk_sm90.cuh; a 16-bit cache, blocks by TMA): the query tile was
 // issued by TMA before (query_bar), the barriers' phases and the first key come in `walk`, and the
 // epilogue calls hooks.find_next() while it stages the rows and hooks.queries_free() once the query
-// panels and P1 are free (the next unit's tile goes in beside the row copies).
+// panels and P1 are free (the next unit's tile goes in beside the row copies); it returns the phases the
+// unit leaves its barriers in (a block of one unit ignores them).
 template <typename T, int kCache, int HALF, bool kGather = false, bool kPageBoxes = false, bool kWalk = false,
           typename WalkHooks = void>
-__device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
+__device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                  int hb, uint32_t base_in, Wide64Walk walk = {},
                                                  WalkHooks* hooks = nullptr) {
   using W = Wide64Sm90;
@@ -945,6 +951,7 @@ __device__ __forceinline__ void wide64_warpgroup(const Problem& p, const KeyTens
   static_assert(kStagedRowsBytes <= W::BUF, "the staged rows fit in key buffer 0");
   JAX_MLA_TRACE_AT(0, 5);
   JAX_MLA_TRACE_END();
+  return walk.after(num_blocks);
 }
 
 // The lossy e4m3 x e4m3 body for an fp8 ckv (mla_wide64_e4m3_sm90.cuh, included below).

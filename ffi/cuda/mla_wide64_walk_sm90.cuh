@@ -143,16 +143,12 @@ __global__ void __launch_bounds__(Wide64Sm90::kThreads, 1)
     // its start, so that it reads no page id (its start may lie past the page table's row).
     walk.key_lo = u.kv_begin;
     if (u.range_end > u.kv_begin) u.kv_begin &= ~(maps.box_rows - 1);
-    const int num_blocks = (u.range_end - u.kv_begin + W::BK - 1) / W::BK;
     Wide64WalkHooks hooks{p, qmaps, next, index + 1, worker, workers, h0, base};
     if (wg == 0) {
-      wide64_warpgroup<T, kCacheAsQuery, 0, false, false, true>(p, maps, u, h0, hb, base, walk, &hooks);
+      walk = wide64_warpgroup<T, kCacheAsQuery, 0, false, false, true>(p, maps, u, h0, hb, base, walk, &hooks);
     } else {
-      wide64_warpgroup<T, kCacheAsQuery, 1, false, false, true>(p, maps, u, h0, hb, base, walk, &hooks);
+      walk = wide64_warpgroup<T, kCacheAsQuery, 1, false, false, true>(p, maps, u, h0, hb, base, walk, &hooks);
     }
-    walk.phase_a ^= ((num_blocks + 1) >> 1) & 1;  // buffer 0's fills and the pairs' hand-offs
-    walk.phase_b ^= (num_blocks >> 1) & 1;        // buffer 1's fills
-    walk.q_parity ^= 1;
     if (next.index >= p.num_work) break;
     // The row copies have read key buffer 0 (their threads waited), and every barrier phase of the unit
     // has completed: the next unit's first blocks may go in.

@@ -111,6 +111,26 @@ def test_trace_report_narrow_fp8_body_and_first_trips():
     assert not any("slot 4" in line for line in out)
 
 
+def test_trace_report_walk_boundary():
+    tr = _tool("trace_report")
+    # A walk's block 0: its first unit in slot 1 (WG0, warp 3), its second in slot 5, which starts 700 ns
+    # after the first ended; beside them a trace of waves, where block B (slot 6) runs beside block 0
+    # (slot 2): no boundary there.
+    lines = ["trace w slot 1 globaltimer 1000 5000 body 1",
+             "trace w slot 1 row 0: 0 40 50 60 3000 3400 10 20",
+             "trace w slot 5 globaltimer 5700 9000 body 1",
+             "trace w slot 5 row 0: 0 30 45 2500 6000 6300 10 20",
+             "trace v slot 2 globaltimer 1000 5000 body 1",
+             "trace v slot 2 row 0: 0 40 50 60 3000 3400 10 20",
+             "trace v slot 6 globaltimer 1100 5100 body 1",
+             "trace v slot 6 row 0: 0 40 50 60 3000 3400 10 20"]
+    rows, timers = tr.read(lines)
+    out = tr.walk_boundaries(rows, timers)
+    assert out == ["w walk boundary, WG0 warp 3: loop end -> stored 400 cycles, then 700 ns to the next unit's "
+                   "start, then 2500 cycles to its first S done"]
+    assert out[0] in tr.report(rows, timers, 0, 3)
+
+
 def test_block_trace_report_span_tail_and_cost_fit():
     bt = _tool("block_trace_report")
     # Four SMs; units of 500 + 100 b keys costing 2 us + 30 ns a key, each started on the SM that is

@@ -87,6 +87,27 @@ def report(rows, timers, first_pair: int, last_pair: int, first: int = 0) -> lis
             out.append(f"   {marks[i - 1]:>22} -> {marks[i]:<22} {d:7.0f}")
         d = statistics.median(r[n + 2][0] - r[n + 1][-1] for n in pairs)
         out.append(f"   {marks[-1]:>22} -> {'next top':<22} {d:7.0f}")
+    out += walk_boundaries(rows, timers)
+    return out
+
+
+def walk_boundaries(rows, timers) -> list[str]:
+    """A walk's trace (-DJAX_MLA_WIDE64_WALK) holds block 0's first unit in slots 0-3 and its second in
+    slots 4-7, which then starts after the first has ended (in a trace of waves, block B runs beside block
+    0): the boundary from the first unit's loop end to the second's first S, for each traced warp."""
+    out = []
+    for (case, slot), r in sorted(rows.items()):
+        if slot < 4 or (case, slot - 4) not in rows:
+            continue
+        start, _, body = timers.get((case, slot), (0, 0, 0))
+        _, end_before, _ = timers.get((case, slot - 4), (0, 0, 0))
+        first = dict(zip(PROLOGUE_MARKS, rows[(case, slot - 4)].get(0, [])))
+        second = dict(zip(PROLOGUE_MARKS, r.get(0, [])))
+        if body != BODY_WIDE64 or not end_before or start < end_before:
+            continue
+        out.append(f"{case} walk boundary, WG{(slot // 2) % 2} warp {3 if slot % 2 else 0}: loop end -> stored "
+                   f"{first['stored'] - first['loop end']} cycles, then {start - end_before} ns to the next "
+                   f"unit's start, then {second['first S done']} cycles to its first S done")
     return out
 
 

@@ -434,6 +434,9 @@ struct BlockTraceScope {
 // Row 0: the prologue and the epilogue, with globaltimer at the start and the end (events 6 and 7)
 // and the body's id (event 11: kTraceWide64, kTraceNarrowFp8); row 1 + n: the body's n-th trip.
 // A body declares `trace_slot` (jax_mla_trace_slot) and marks its points with JAX_MLA_TRACE_AT.
+// A walk's body (walk_unit: the units its block ran before this one) is traced in block 0 only, its first
+// unit in slots 0-3 and its second in slots 4-7: each unit of a walk would otherwise write the same slots,
+// and the boundary between them (the first unit's end, the second's start by globaltimer) would not show.
 #ifdef JAX_MLA_TRACE
 constexpr int kTraceRows = 40, kTraceEvents = 12, kTraceSlots = 8;
 constexpr int kTraceWide64 = 1, kTraceNarrowFp8 = 2;
@@ -447,9 +450,12 @@ __device__ __forceinline__ long long trace_clock() {
 #define JAX_MLA_TRACE_BLOCK 200
 #endif
 // This thread's slot, or -1; a traced thread also stamps the start (event 0, globaltimer) and the body.
-__device__ __forceinline__ int jax_mla_trace_slot(int wg, int warp, int lane, int body) {
-  const bool traced = lane == 0 && (warp == 0 || warp == 3) && (blockIdx.x == 0 || blockIdx.x == JAX_MLA_TRACE_BLOCK);
-  const int slot = traced ? (blockIdx.x == 0 ? 0 : 4) + 2 * wg + (warp == 3) : -1;
+__device__ __forceinline__ int jax_mla_trace_slot(int wg, int warp, int lane, int body, int walk_unit = -1) {
+  const bool traced = lane == 0 && (warp == 0 || warp == 3) &&
+                      (walk_unit < 0 ? blockIdx.x == 0 || blockIdx.x == JAX_MLA_TRACE_BLOCK
+                                     : blockIdx.x == 0 && walk_unit < 2);
+  const int group = walk_unit < 0 ? (blockIdx.x == 0 ? 0 : 4) : 4 * walk_unit;
+  const int slot = traced ? group + 2 * wg + (warp == 3) : -1;
   if (slot >= 0) {
     g_jax_mla_trace[slot][0][6] = (long long)globaltimer_ns();
     g_jax_mla_trace[slot][0][11] = body;

@@ -501,10 +501,11 @@ struct Wide64Walk {
   int phase_b;   // buffer 1's tile barriers: one turn fewer than buffer 0 in a unit of an odd block count
   int q_parity;  // the query barrier (query_bar): one turn a unit
   int key_lo;    // the unit's first key: its blocks start on the box at or below it, keys below it masked
+  int unit;      // the units the block ran before this one (the trace's slots: mla_common.cuh)
   // The phases a unit of num_blocks blocks leaves (the body returns them, so that the count is computed in
   // one place: a walk that advanced its phases by another count would wait on a phase that never comes).
   __device__ __forceinline__ Wide64Walk after(int num_blocks) const {
-    return {phase_a ^ (((num_blocks + 1) >> 1) & 1), phase_b ^ ((num_blocks >> 1) & 1), q_parity ^ 1, key_lo};
+    return {phase_a ^ (((num_blocks + 1) >> 1) & 1), phase_b ^ ((num_blocks >> 1) & 1), q_parity ^ 1, key_lo, unit + 1};
   }
 };
 
@@ -542,7 +543,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
 #ifdef JAX_MLA_TRACE  // (mla_common.cuh) row 0: the prologue and the epilogue; row 1 + n: pair n
-  const int trace_slot = jax_mla_trace_slot(HALF, warp, lane, kTraceWide64);
+  const int trace_slot = jax_mla_trace_slot(HALF, warp, lane, kTraceWide64, kWalk ? walk.unit : -1);
 #endif
   const int rows = u.q_len * hb;
   int r[2], limit[2];

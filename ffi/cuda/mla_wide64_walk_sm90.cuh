@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(Wide64Sm90::kThreads, 1)
   if (next.index >= p.num_work) return;
   if (threadIdx.x == 0) wide64_walk_load_queries(qmaps, p, next.unit, h0, base);
   const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);  // warp-uniform, as wgmma needs
-  Wide64Walk walk = {0, 0, 0, 0};
+  Wide64Walk walk = {0, 0, 0, 0, 0};
 #pragma unroll 1
   for (;;) {
     Unit u = next.unit;

@@ -154,13 +154,23 @@ def test_exported_step_survives_serialization(tmp_path):
     from jax_mla import export_disabled_checks
 
     step, args = _export_case(np.random.default_rng(7))
-    exported = export.export(step, disabled_checks=export_disabled_checks())(*args)
+    # The artifact runs in a CPU process below. On a GPU host it is exported for both platforms (exported
+    # for the default backend alone, CUDA, a CPU process refuses it), and that process compares it with
+    # this process's CPU run of the artifact: the CUDA kernel's results differ from the CPU handler's in
+    # the last bits (2026-12-06, the first GPU run of this test).
+    on_gpu = jax.default_backend() != "cpu"
+    exported = export.export(step, disabled_checks=export_disabled_checks(),
+                             platforms=("cpu", "cuda") if on_gpu else ("cpu",))(*args)
     (tmp_path / "step.bin").write_bytes(exported.serialize())
     out, lse = step(*args)
-    np.savez(tmp_path / "want.npz", out=np.asarray(out, np.float32), lse=np.asarray(lse))
     again = export.deserialize(bytearray((tmp_path / "step.bin").read_bytes()))
     got = again.call(*args)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(out))
+    if on_gpu:
+        cpu = jax.devices("cpu")[0]
+        with jax.default_device(cpu):
+            out, lse = again.call(*jax.device_put(args, cpu))
+    np.savez(tmp_path / "want.npz", out=np.asarray(out, np.float32), lse=np.asarray(lse))
 
     r = subprocess.run([sys.executable, "-c", _RUN_ARTIFACT, str(tmp_path / "step.bin"), str(tmp_path / "want.npz"),
                         str(pathlib.Path(__file__).parent)],

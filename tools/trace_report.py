@@ -58,8 +58,14 @@ def read(lines):
     return rows, timers
 
 
+def slot_warp(slot: int) -> tuple[int, int]:
+    """The warpgroup and the warp a slot traces (lane 0 of warps 0 and 3 of each warpgroup)."""
+    return (slot // 2) % 2, 3 if slot % 2 else 0
+
+
 def slot_name(slot: int) -> str:
-    return f"block {'0' if slot < 4 else 'B'}, WG{(slot // 2) % 2}, warp {3 if slot % 2 else 0}"
+    wg, warp = slot_warp(slot)
+    return f"block {'0' if slot < 4 else 'B'}, WG{wg}, warp {warp}"
 
 
 def report(rows, timers, first_pair: int, last_pair: int, first: int = 0) -> list[str]:
@@ -69,7 +75,7 @@ def report(rows, timers, first_pair: int, last_pair: int, first: int = 0) -> lis
         if body not in (BODY_WIDE64, BODY_NARROW_FP8):
             continue  # a slot no traced body wrote (e.g. a block that does not exist)
         narrow = body == BODY_NARROW_FP8
-        marks = NARROW_FP8_MARKS if narrow else PAIR_MARKS[(slot // 2) % 2]
+        marks = NARROW_FP8_MARKS if narrow else PAIR_MARKS[slot_warp(slot)[0]]
         pro = dict(zip(NARROW_FP8_PROLOGUE if narrow else PROLOGUE_MARKS, r.get(0, [])))
         out.append(f"{case} slot {slot} ({slot_name(slot)}): "
                    + " ".join(f"{k} {v}" for k, v in pro.items()) + f" | {end - start} ns")
@@ -105,7 +111,8 @@ def walk_boundaries(rows, timers) -> list[str]:
         second = dict(zip(PROLOGUE_MARKS, r.get(0, [])))
         if body != BODY_WIDE64 or not end_before or start < end_before:
             continue
-        out.append(f"{case} walk boundary, WG{(slot // 2) % 2} warp {3 if slot % 2 else 0}: loop end -> stored "
+        wg, warp = slot_warp(slot)
+        out.append(f"{case} walk boundary, WG{wg} warp {warp}: loop end -> stored "
                    f"{first['stored'] - first['loop end']} cycles, then {start - end_before} ns to the next "
                    f"unit's start, then {second['first S done']} cycles to its first S done")
     return out

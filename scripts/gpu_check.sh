@@ -111,7 +111,9 @@ fi
 # shape compiles the float32 reference again, and a property-test example took 10-15 s (thirty-fifth
 # session); autotuning picks among GEMM kernels for speed, which the reference does not need. Whether it was
 # the cost is for the next run to say: pytest's --durations below lists the slowest tests.
-test_xla_flags="${XLA_FLAGS:-} ${TEST_XLA_FLAGS---xla_gpu_autotune_level=0}"
+# Joined without a stray space: XLA reads an XLA_FLAGS that does not start with "--" as a file name (" " made
+# pytest die before its first line, thirty-ninth session).
+test_xla_flags=$(echo ${XLA_FLAGS:-} ${TEST_XLA_FLAGS---xla_gpu_autotune_level=0})
 if (has check || has quickcheck) && [ $built -eq 0 ]; then
   note check
   subset=(); has check || subset=(-k small_spec)  # quickcheck: the `small` shapes only

@@ -222,7 +222,8 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
 #endif
                   const int workers = std::max(1, std::min(p.num_work, most));
                   return launch_with_smem<mla_attention_wide64_walk_kernel<T>>(
-                      workers * p.head_blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream, p, maps, qmaps);
+                      workers * p.head_blocks, Wide64Sm90::kThreads, std::max(kSm90SmemBytes, kWalkSmemBytes), stream,
+                      p, maps, qmaps);
                 }
               }
             }

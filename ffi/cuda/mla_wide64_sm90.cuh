@@ -518,11 +518,11 @@ struct Wide64Walk {
 // queries brought into fp16's range per row as in v5b (wide_prepare_queries_fp8).
 // kGather: a 16-bit cache on pages of fewer than 32 keys; the blocks come by cp.async
 // (wide64_gather_half), issued where the TMA path issues its boxes, by the whole warpgroup.
-// kWalk: one unit of a walk (mla_wide64_walk_sm90.cuh; a 16-bit cache, blocks by TMA): the query tile was
-// issued by TMA before (query_bar), the barriers' phases and the first key come in `walk`, and the
-// epilogue calls hooks.find_next() while it stages the rows and hooks.queries_free() once the query
-// panels and P1 are free (the next unit's tile goes in beside the row copies); it returns the phases the
-// unit leaves its barriers in (a block of one unit ignores them).
+// kWalk: one unit of a walk (mla_wide64_walk_sm90.cuh; a 16-bit cache, blocks by TMA): the query tile and
+// blocks 0 and 1 were issued by TMA before (query_bar, the tiles' barriers), the barriers' phases and the
+// first key come in `walk`, and the epilogue stages the rows in key buffer 1, then calls the hooks (the next
+// unit's record, its first loads, the row copies' end); it returns the phases the unit leaves its barriers
+// in (a block of one unit ignores them).
 template <typename T, int kCache, int HALF, bool kGather = false, bool kPageBoxes = false, bool kWalk = false,
           typename WalkHooks = void>
 __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
@@ -570,7 +570,14 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
     }
   };
   Wide64Pages first[2] = {}, ahead_a = {}, ahead_b = {};
-  if (kGather || tid == 0) {
+  if constexpr (kWalk) {
+    // The walk's blocks 0 and 1 were issued at the last unit's end (or the kernel's start), their page ids
+    // and those of blocks 2 and 3 read during the last unit (mla_wide64_walk_sm90.cuh).
+    if (HALF == 0 && tid == 0) {
+      ahead_a = hooks->next.pages[2];
+      ahead_b = hooks->next.pages[3];
+    }
+  } else if (kGather || tid == 0) {
     if (num_blocks > 0) first[0] = block_pages(0);
     if (num_blocks > 1) first[1] = block_pages(1);
     if (HALF == 0 && num_blocks > 2) ahead_a = block_pages(2);
@@ -602,7 +609,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       wide64_load_raw(maps, base, HALF, b);
       wide64_load_tiles<8, 9>(maps, base, HALF, b);
     }
-  } else if (tid == 0) {
+  } else if (!kWalk && tid == 0) {
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {
       if (blk >= num_blocks) break;
@@ -691,12 +698,17 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
         }
       }
     }
-  } else if (num_blocks > 1) {
-    if constexpr (kFp8) convert(1, 0, false, 0);
-    wide64_scores<T, MT, kFp8, false, 0, W::TILES, kGather>(s, q_rope, base, kb1, 1, kWalk ? walk.phase_b : 0, true);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(s);
+  } else {
+    // The walk: warpgroup 0's barrier after zeroing the low rows, matched (racecheck: see the epilogue).
+    if (kWalk && low_rows > 0) named_barrier_sync(W::kWarpgroup0 + 1, 128);
+    if (num_blocks > 1) {
+      if constexpr (kFp8) convert(1, 0, false, 0);
+      wide64_scores<T, MT, kFp8, false, 0, W::TILES, kGather>(s, q_rope, base, kb1, 1, kWalk ? walk.phase_b : 0,
+                                                              true);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(s);
+    }
   }
   JAX_MLA_TRACE_AT(0, 3);
 
@@ -936,20 +948,34 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   JAX_MLA_TRACE_AT(0, 4);
   auto sum_ptr = [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); };
   if constexpr (kWalk) {
-    hooks->find_next();  // the next unit's plan row and device length, read while the rows are staged
+    // The rows go to key buffer 1, so that buffer 0 takes the next unit's block 0 while they are copied out.
     stage_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out, sum_ptr, W::kBoth,
-                              W::kThreads, base + W::K_OFF);
+                              W::kThreads, kb1);
+    hooks->read_next();  // the next unit (its record was stored before this unit's first barrier above)
     wgmma_wait<0>();  // the last trip's thrown-away S: the query panels are read
     fence_proxy_async_shared();  // the rows reach the bulk copies' reads
     named_barrier_sync(W::kBoth, W::kThreads);
-    hooks->queries_free();  // the query panels and P1 (P_B of the last pair, read) take the next unit's tile
-    copy_staged_rows<T>(p, u, h0, hb, rows, base + W::K_OFF, threadIdx.x);
+    if constexpr (HALF == 0) {
+      // Every MMA of the unit is done: the query panels, P1 (P_B of the last pair, read) and buffer 0 take
+      // the next unit's query tile and block 0, and this warpgroup goes on into it.
+      hooks->load_next_first();
+      // As many barriers of its own as warpgroup 1 passes (its one after the copies): racecheck stops counting
+      // a barrier of both as ordering the row sums once the warpgroups' counts of their own barriers differ
+      // (its hazards on this walk without it; NOTES.md, "twelfth session"). Its threads wait for thread 0's
+      // loads here instead of at the query tile's barrier.
+      named_barrier_sync(W::kWarpgroup0, 128);
+    } else {
+      copy_staged_rows<T>(p, u, h0, hb, rows, kb1, tid);  // rows <= 64: warps 0 and 1
+      if (__shfl_sync(0xffffffffu, warp, 0) == 3) hooks->find_after_next();  // (uniform: see the walk kernel)
+      named_barrier_sync(W::kWarpgroup0 + 1, 128);  // the copies have read buffer 1
+      hooks->load_next_second();
+    }
   } else {
     store_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out, sum_ptr, W::kBoth, W::kThreads,
                               base + W::K_OFF, threadIdx.x);
     wgmma_wait<0>();  // the last trip's thrown-away S (its query-panel reads) before the exit
   }
-  static_assert(kStagedRowsBytes <= W::BUF, "the staged rows fit in key buffer 0");
+  static_assert(kStagedRowsBytes <= W::BUF, "the staged rows fit in a key buffer");
   JAX_MLA_TRACE_AT(0, 5);
   JAX_MLA_TRACE_END();
   return walk.after(num_blocks);

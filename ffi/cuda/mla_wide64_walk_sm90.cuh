@@ -89,7 +89,6 @@ struct Wide64WalkNext {
 
   __device__ __forceinline__ void find(const Problem& p, const KeyTensorMaps& maps, int from, int worker,
                                        int workers) {
-    using W = Wide64Sm90;
     const int lane = threadIdx.x & 31;
     for (int k = 0; k < 4; ++k) pages[k] = Wide64Pages{{0, 0}};
     key_lo = 0;
@@ -114,7 +113,7 @@ struct Wide64WalkNext {
         // its start, so that it reads no page id (its start may lie past the page table's row).
         key_lo = unit.kv_begin;
         if (unit.range_end > unit.kv_begin) unit.kv_begin &= ~(maps.box_rows - 1);
-        const int blocks = (unit.range_end - unit.kv_begin + W::BK - 1) / W::BK;
+        const int blocks = num_blocks();
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           if (k < blocks) pages[k] = wide64_block_pages(p, maps, unit, k);

@@ -11,8 +11,7 @@
 // its next query tile loads while the last unit's rows are written. Here, at a unit boundary:
 // - nothing is read from global memory: the next unit (plan row, device length, page ids of its first four
 //   blocks) was found at the boundary before (or at the kernel's start) by a warp that had nothing else to
-//   do (Wide64WalkNext), and
-//   kept in shared memory;
+//   do (Wide64WalkNext), and kept in shared memory;
 // - the rows are staged in key buffer 1; once every MMA of the unit is done (the epilogue's second
 //   barrier), warpgroup 0's thread 0 issues the next unit's query tile (TMA, nine boxes) and its block 0
 //   into buffer 0, and warpgroup 0 goes straight on into the next unit: its first S waits only for those
@@ -228,11 +227,8 @@ __global__ void __launch_bounds__(Wide64Sm90::kThreads, 1)
   if (next.index >= p.num_work) return;
   const int wg = __shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0);  // warp-uniform, as wgmma needs
   Wide64WalkHooks hooks{p, maps, qmaps, next, worker, workers, h0, base};
-  if (threadIdx.x == 0) {
-    wide64_walk_load_queries(qmaps, p, next.unit, h0, base);
-    if (next.num_blocks() > 0) wide64_walk_load_block(p, maps, next, 0, base);
-  }
-  if (threadIdx.x == 128 && next.num_blocks() > 1) wide64_walk_load_block(p, maps, next, 1, base);
+  hooks.load_next_first();  // (the hooks' `next` is the first unit here)
+  hooks.load_next_second();
   // A warp-uniform condition ptxas can see (from lane 0): the find's loop under a branch on threadIdx.x made
   // it serialise every wgmma of the kernel (C7520).
   if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0) == 7) hooks.find_after_next();

@@ -24,6 +24,15 @@ mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
 export PATH=$PATH:/usr/local/cuda/bin
 steps=${*:-build check test sanitize bench}
+# The steps' time limits (seconds), overridable from the environment. Set here, not as ${X:=N} inside a
+# step's pipeline: a pipeline runs in subshells, so such a default never reached the step's `finished`
+# line, where set -u then stopped the script (CHECK_TIMEOUT, fortieth session).
+: "${DECODE_TIMEOUT:=180}"
+: "${HOSTPROFILE_TIMEOUT:=300}"
+: "${CHECK_TIMEOUT:=360}"
+: "${TEST_TIMEOUT:=300}"
+: "${PARALLEL_TIMEOUT:=300}"
+: "${BENCH_TIMEOUT:=400}"
 has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 note() { echo "== $* ($(date +%T))" | tee -a "$LOGS/summary.txt"; }
@@ -96,14 +105,14 @@ built=$status
 if has decode && [ $built -eq 0 ]; then
   # Issue 4's benchmark: jitted decode step of a V2-Lite-shaped stack, our op vs the reference.
   note "bench_decode"
-  timeout ${DECODE_TIMEOUT:=180} python3 benchmarks/bench_decode.py --json "$OUT/bench_decode.json" ${DECODE_ARGS:-} 2>&1 \
+  timeout $DECODE_TIMEOUT python3 benchmarks/bench_decode.py --json "$OUT/bench_decode.json" ${DECODE_ARGS:-} 2>&1 \
     | tee "$LOGS/bench_decode.log" | tail -20
   finished "bench_decode" "${PIPESTATUS[0]}" $DECODE_TIMEOUT || status=1
 fi
 if has hostprofile && [ $built -eq 0 ]; then
   # Issue 11: where a host-planned decode step's host time goes, per XLA_FLAGS variant.
   note "profile_decode_host"
-  timeout ${HOSTPROFILE_TIMEOUT:=300} python3 benchmarks/profile_decode_host.py --variants \
+  timeout $HOSTPROFILE_TIMEOUT python3 benchmarks/profile_decode_host.py --variants \
     --json "$OUT/profile_decode_host.json" ${HOSTPROFILE_ARGS:-} 2>&1 | tee "$LOGS/profile_decode_host.log" | tail -150
   finished "profile_decode_host" "${PIPESTATUS[0]}" $HOSTPROFILE_TIMEOUT || status=1
 fi
@@ -117,7 +126,7 @@ test_xla_flags=$(echo ${XLA_FLAGS:-} ${TEST_XLA_FLAGS---xla_gpu_autotune_level=0
 if (has check || has quickcheck) && [ $built -eq 0 ]; then
   note check
   subset=(); has check || subset=(-k small_spec)  # quickcheck: the `small` shapes only
-  XLA_FLAGS=$test_xla_flags timeout ${CHECK_TIMEOUT:=360} python3 -m pytest -q -p no:cacheprovider --durations=10 \
+  XLA_FLAGS=$test_xla_flags timeout $CHECK_TIMEOUT python3 -m pytest -q -p no:cacheprovider --durations=10 \
     tests/test_arg_specs.py ${subset[@]+"${subset[@]}"} 2>&1 \
     | tee "$LOGS/check.log" | tail -20
   finished "check" "${PIPESTATUS[0]}" $CHECK_TIMEOUT || { status=1; [ -n "${KEEP_GOING:-}" ] || built=1; }  # wrong kernels: skip the rest
@@ -125,7 +134,7 @@ fi
 
 if has test && [ $built -eq 0 ]; then
   note pytest
-  XLA_FLAGS=$test_xla_flags timeout ${TEST_TIMEOUT:=300} python3 -m pytest ${PYTEST_ARGS:--x} -q -p no:cacheprovider \
+  XLA_FLAGS=$test_xla_flags timeout $TEST_TIMEOUT python3 -m pytest ${PYTEST_ARGS:--x} -q -p no:cacheprovider \
     --durations=15 ${PYTEST_PATHS:-tests/} 2>&1 | tee "$LOGS/pytest.log" | tail -25
   finished "pytest" "${PIPESTATUS[0]}" $TEST_TIMEOUT || status=1
 fi
@@ -167,7 +176,7 @@ fi
 if has parallel && [ $built -eq 0 ]; then
   # Issue 12: several GPUs against one (on a single GPU: the mesh path's own cost).
   note "bench_parallel ${PARALLEL_ARGS:-}"
-  timeout ${PARALLEL_TIMEOUT:=300} python3 benchmarks/bench_parallel.py --json "$OUT/bench_parallel.json" \
+  timeout $PARALLEL_TIMEOUT python3 benchmarks/bench_parallel.py --json "$OUT/bench_parallel.json" \
     ${PARALLEL_ARGS:-} 2>&1 | tee "$LOGS/bench_parallel.log" | tail -12
   finished "bench_parallel" "${PIPESTATUS[0]}" $PARALLEL_TIMEOUT || status=1
 fi
@@ -193,7 +202,7 @@ if (has bench || has sweep) && [ $built -eq 0 ]; then
   has sweep && args="$args --sweep"
   [ -f $fm_dir/bench.py ] && args="$args --flashmla $fm_dir"
   note "bench $args"
-  timeout ${BENCH_TIMEOUT:=400} python3 benchmarks/bench_attention.py --out "$OUT" $args 2>&1 | tee "$LOGS/bench.log" \
+  timeout $BENCH_TIMEOUT python3 benchmarks/bench_attention.py --out "$OUT" $args 2>&1 | tee "$LOGS/bench.log" \
     | grep -v "^  \|INFO" | tail -45
   finished "bench" "${PIPESTATUS[0]}" $BENCH_TIMEOUT || status=1
 fi

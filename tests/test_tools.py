@@ -309,3 +309,16 @@ def test_gpu_check_names_how_a_step_ended(tmp_path):
                      "step exit 124 (timed out after 42 s)", "returned 124",
                      "step exit 139 (killed by signal 11)", "returned 139"]
     assert len((tmp_path / "summary.txt").read_text().splitlines()) == 4
+
+
+def test_gpu_check_step_limits_reach_their_finished_line():
+    """Each timed step's limit has its default set in the script's own shell. A `${X_TIMEOUT:=N}` inside the
+    step's pipeline set it in a subshell only, so the step's `finished ... $X_TIMEOUT` line stopped the script
+    under set -u (fortieth session: the check step, after its tests had passed)."""
+    lines = (ROOT / "scripts" / "gpu_check.sh").read_text().splitlines()
+    used = {m for line in lines for m in re.findall(r"\$\{?([A-Z_]+_TIMEOUT)\b", line)}
+    assert used, "no step limits found"
+    defaults = {m for line in lines for m in re.findall(r'^: "\$\{([A-Z_]+_TIMEOUT):=\d+\}"$', line)}
+    inline = [line for line in lines if re.search(r"\$\{[A-Z_]+:=", line) and not line.startswith((": \"", "#"))]
+    assert not inline, inline
+    assert used <= defaults | {"SANITIZE_TIMEOUT"}, used - defaults

@@ -210,7 +210,13 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
           const KeyTensorMaps maps =
               key_tensor_maps<T, kCache>(p, p.page_size >= Wide64Sm90::BK ? Wide64Sm90::BK : WideSm90::BK);
           if (maps.enabled) {
-#ifdef JAX_MLA_WIDE64_WALK  // (an A/B build, off by default: the walk, mla_wide64_walk_sm90.cuh)
+#ifndef JAX_MLA_WIDE64_NO_WALK  // (an A/B switch: every unit its own block, in waves, as before)
+            // A 16-bit cache at a multiple of 64 heads: the walk (mla_wide64_walk_sm90.cuh), one block per
+            // SM and head block running its worker's units one after another, the next unit's loads issued
+            // while the last one's rows are written. Against waves: 264 x 2048 h128 (four units a worker)
+            // 3.0-3.7% faster on an H200 and an H100, one 32K request at 128 heads 2.3-2.6% (H100); the
+            // other 64- and 128-head shapes timed within +-1.5%, the lease's spread (ffi/cuda/NOTES.md,
+            // "thirty-ninth session", "fortieth session").
             if constexpr (kCache == kCacheAsQuery) {
               if (p.num_heads % Wide64Sm90::ROWS == 0) {
                 const QueryTensorMaps qmaps = query_tensor_maps<T>(p);

@@ -1,7 +1,6 @@
 // The 64-key body's walk: one block per worker (SM) and head block, running the plan's units of its
-// worker one after another (an A/B build:
-// -DJAX_MLA_WIDE64_WALK, mla_launch.cuh; off by default until it is measured: ffi/cuda/NOTES.md,
-// "thirty-seventh session").
+// worker one after another (mla_launch.cuh; -DJAX_MLA_WIDE64_NO_WALK, CMake JAX_MLA_WIDE64_WALK=OFF, runs
+// those calls in waves instead, an A/B switch: ffi/cuda/NOTES.md, "thirty-seventh" to "fortieth session").
 //
 // Why. In waves a unit's fixed costs are the block's: after its loop, the epilogue (~2,400 cycles, ~5,400
 // for the warp that waits for the row copies' reads), then the next block's start on the SM, its plan row,

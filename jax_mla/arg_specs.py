@@ -196,7 +196,7 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(16, 1, 2, 4096, batch=128, tags=_tags("extra", "pages")),
     # ---- more 64-row units than workers (132 SMs / head blocks): data-parallel attention's large batches and
     # MTP at 128 heads, each an exact number of units a worker; the standalone driver times them
-    # (`cases.py timing DIR --tag walk`) for the 64-key body's walk (-DJAX_MLA_WIDE64_WALK), where a block
+    # (`cases.py timing DIR --tag walk`) for the 64-key body's walk (mla_wide64_walk_sm90.cuh), where a block
     # runs several units (ffi/cuda/NOTES.md, "thirty-seventh session"); 128 x 4096 h128 is the fourth
     ArgSpec(128, 64, 1, 2048, batch=264, tags=_tags("walk")),
     ArgSpec(128, 64, 2, 4096, batch=66, tags=_tags("walk")),

@@ -171,6 +171,19 @@ inline QueryTensorMaps query_tensor_maps(const Problem& p) {
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   };
   maps.enabled = make(&maps.nope, p.q_nope, kDimCkv) && make(&maps.pe, p.q_pe, kDimKpe) ? 1 : 0;
+#ifdef JAX_MLA_WALK_TMA_STORE
+  // The outputs in the same boxes (a store's box: 64 rows x 64 columns); the partial rows only where a
+  // split unit can write them (start_unit refuses a split whose rows are not there).
+  const uint64_t partial_rows = (uint64_t)p.num_partial_rows * (uint64_t)p.num_heads;
+  maps.enabled = maps.enabled && make(&maps.out, p.out, kDimCkv) ? 1 : 0;
+  if (partial_rows > 0) {
+    maps.enabled = maps.enabled && partial_rows < (1ull << 31) &&
+                           encode_row_boxes(encode, &maps.partial, type, p.partial_o, kDimCkv, partial_rows,
+                                            (int)sizeof(T), kRowsPerTile, CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
+                       ? 1
+                       : 0;
+  }
+#endif
   return maps;
 }
 

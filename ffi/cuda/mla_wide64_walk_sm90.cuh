@@ -53,6 +53,12 @@ namespace cuda {
 struct QueryTensorMaps {
   CUtensorMap nope;
   CUtensorMap pe;
+#ifdef JAX_MLA_WALK_TMA_STORE
+  // out [tokens * heads, 512] and the partial rows [partial rows * heads, 512] (made where there are any), in
+  // the same boxes: the epilogue's rows go out by TMA tensor stores (Wide64WalkHooks::store_rows_then_block1).
+  CUtensorMap out;
+  CUtensorMap partial;
+#endif
   int enabled;
 };
 
@@ -190,6 +196,30 @@ struct Wide64WalkHooks {
     after.find(p, maps, next.index + 1, worker, workers);
     if ((threadIdx.x & 31) == 0) after.store(record());
   }
+#ifdef JAX_MLA_WALK_TMA_STORE
+  // Warpgroup HALF's thread 0, once the rows are staged as panels (stage_two_halves_panels) and every MMA of
+  // the unit is done: its four panels of unit u's rows to out or the partial rows (four boxes of 64 rows x 64
+  // columns), then, once they are read, block 1's tiles over them (warpgroup 0: the mask and tiles 0-3;
+  // warpgroup 1: tiles 4-8, the rope tile free throughout). The walk's units are 64 rows of one token.
+  template <int HALF>
+  __device__ __forceinline__ void store_rows_then_block1(const Unit& u, uint32_t kb1) {
+    using W = Wide64Sm90;
+    if (threadIdx.x != 128 * HALF) return;
+    const UnitDest d = unit_dest(p, u, 0, h0);  // row < 2^31: query_tensor_maps checks the tensors' rows
+    const void* map = u.partial_row >= 0 ? &q.partial : &q.out;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) tma_store_2d(map, 256 * HALF + 64 * k, (int)d.row, kb1 + (4 * HALF + k) * W::TILE);
+    bulk_commit_and_wait_read();
+    if (!has_next() || next.num_blocks() < 2) return;
+    const Wide64Rows b = wide64_block_rows(p, maps, next.unit, 1, next.pages[1]);
+    if constexpr (HALF == 0) {
+      st_shared_u32(W::mask_addr(base, 1), b.ok);
+      wide64_load_tiles<0, 4>(maps, base, 1, b);
+    } else {
+      wide64_load_tiles<4, W::TILES>(maps, base, 1, b);
+    }
+  }
+#endif
   // Warpgroup 1, thread 0, once the row copies have read key buffer 1.
   __device__ __forceinline__ void load_next_second() {
     if (threadIdx.x != 128 || !has_next()) return;

@@ -950,8 +950,8 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   if constexpr (kWalk) {
     // The rows go to key buffer 1, so that buffer 0 takes the next unit's block 0 while they are copied out.
 #ifdef JAX_MLA_WALK_TMA_STORE  // (an A/B build: as four swizzled panels a warpgroup, stored by TMA)
-    stage_two_halves_panels<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out, sum_ptr, W::kBoth,
-                                     W::kThreads, kb1);
+    stage_two_halves<T, HALF, true>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out, sum_ptr, W::kBoth,
+                                    W::kThreads, kb1);
 #else
     stage_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out, sum_ptr, W::kBoth,
                               W::kThreads, kb1);

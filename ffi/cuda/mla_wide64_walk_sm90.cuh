@@ -197,7 +197,7 @@ struct Wide64WalkHooks {
     if ((threadIdx.x & 31) == 0) after.store(record());
   }
 #ifdef JAX_MLA_WALK_TMA_STORE
-  // Warpgroup HALF's thread 0, once the rows are staged as panels (stage_two_halves_panels) and every MMA of
+  // Warpgroup HALF's thread 0, once the rows are staged as panels (stage_two_halves<T, HALF, true>) and every MMA of
   // the unit is done: its four panels of unit u's rows to out or the partial rows (four boxes of 64 rows x 64
   // columns), then, once they are read, block 1's tiles over them (warpgroup 0: the mask and tiles 0-3;
   // warpgroup 1: tiles 4-8, the rope tile free throughout). The walk's units are 64 rows of one token.

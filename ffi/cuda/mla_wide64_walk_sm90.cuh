@@ -17,7 +17,8 @@
 //   boxes to land;
 // - warpgroup 1 copies the rows out (warps 0 and 1), finds the unit after next (warp 3), waits for the
 //   copies' reads of buffer 1, issues block 1 there and follows; warpgroup 0 first waits for it at the next
-//   unit's m_B hand-off;
+//   unit's m_B hand-off (-DJAX_MLA_WALK_TMA_STORE, an A/B build not yet measured: each warpgroup stages its
+//   columns as swizzled panels, writes them by TMA tensor stores and issues its half of block 1 over them);
 // - the barriers are not initialised again: each unit starts in the phases the last one left
 //   (Wide64Walk), and between two epilogues the warpgroups meet only at mbarrier phases, so neither waits
 //   for the other at the boundary.

@@ -158,13 +158,15 @@ constexpr int kWalkRecordOff = (Wide64Sm90::BYTES + 15) & ~15;
 constexpr int kWalkSmemBytes = kWalkRecordOff + 4 * Wide64WalkNext::kWords + 1024 - 16;  // room to align the base
 static_assert(kWalkSmemBytes <= 227 * 1024, "one block per SM must fit");
 
-// Block blk (0 or 1) of unit n whole (its nine tiles) into buffer blk, with its key mask. One thread issues it.
+// Tiles [T0, T1) of block blk (0 or 1) of unit n into buffer blk (the whole block by default), and its key
+// mask with tile 0 (a reader of the mask has waited for every tile). One thread issues them.
+template <int T0 = 0, int T1 = Wide64Sm90::TILES>
 __device__ __forceinline__ void wide64_walk_load_block(const Problem& p, const KeyTensorMaps& maps,
                                                        const Wide64WalkNext& n, int blk, uint32_t base) {
   using W = Wide64Sm90;
   const Wide64Rows b = wide64_block_rows(p, maps, n.unit, blk, n.pages[blk]);
-  st_shared_u32(W::mask_addr(base, blk), b.ok);
-  wide64_load_tiles<0, W::TILES>(maps, base, blk, b);
+  if constexpr (T0 == 0) st_shared_u32(W::mask_addr(base, blk), b.ok);
+  wide64_load_tiles<T0, T1>(maps, base, blk, b);
 }
 
 // The body's hooks at a unit's end (wide64_warpgroup, kWalk). `next` holds the unit the body runs (its
@@ -212,12 +214,10 @@ struct Wide64WalkHooks {
     for (int k = 0; k < 4; ++k) tma_store_2d(map, 256 * HALF + 64 * k, (int)d.row, kb1 + (4 * HALF + k) * W::TILE);
     bulk_commit_and_wait_read();
     if (!has_next() || next.num_blocks() < 2) return;
-    const Wide64Rows b = wide64_block_rows(p, maps, next.unit, 1, next.pages[1]);
     if constexpr (HALF == 0) {
-      st_shared_u32(W::mask_addr(base, 1), b.ok);
-      wide64_load_tiles<0, 4>(maps, base, 1, b);
+      wide64_walk_load_block<0, 4>(p, maps, next, 1, base);
     } else {
-      wide64_load_tiles<4, W::TILES>(maps, base, 1, b);
+      wide64_walk_load_block<4, W::TILES>(p, maps, next, 1, base);
     }
   }
 #endif

@@ -166,24 +166,19 @@ inline QueryTensorMaps query_tensor_maps(const Problem& p) {
   if (encode == nullptr || rows == 0 || rows >= (1ull << 31)) return maps;
   const CUtensorMapDataType type =
       std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  auto make = [&](CUtensorMap* map, const void* data, uint64_t dims) {
-    return encode_row_boxes(encode, map, type, data, dims, rows, (int)sizeof(T), kRowsPerTile,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  auto make = [&](CUtensorMap* map, const void* data, uint64_t dims, uint64_t num_rows) {
+    return num_rows < (1ull << 31) && encode_row_boxes(encode, map, type, data, dims, num_rows, (int)sizeof(T),
+                                                       kRowsPerTile, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   };
-  maps.enabled = make(&maps.nope, p.q_nope, kDimCkv) && make(&maps.pe, p.q_pe, kDimKpe) ? 1 : 0;
+  bool ok = make(&maps.nope, p.q_nope, kDimCkv, rows) && make(&maps.pe, p.q_pe, kDimKpe, rows);
 #ifdef JAX_MLA_WALK_TMA_STORE
   // The outputs in the same boxes (a store's box: 64 rows x 64 columns); the partial rows only where a
   // split unit can write them (start_unit refuses a split whose rows are not there).
   const uint64_t partial_rows = (uint64_t)p.num_partial_rows * (uint64_t)p.num_heads;
-  maps.enabled = maps.enabled && make(&maps.out, p.out, kDimCkv) ? 1 : 0;
-  if (partial_rows > 0) {
-    maps.enabled = maps.enabled && partial_rows < (1ull << 31) &&
-                           encode_row_boxes(encode, &maps.partial, type, p.partial_o, kDimCkv, partial_rows,
-                                            (int)sizeof(T), kRowsPerTile, CU_TENSOR_MAP_L2_PROMOTION_L2_256B)
-                       ? 1
-                       : 0;
-  }
+  ok = ok && make(&maps.out, p.out, kDimCkv, rows) &&
+       (partial_rows == 0 || make(&maps.partial, p.partial_o, kDimCkv, partial_rows));
 #endif
+  maps.enabled = ok ? 1 : 0;
   return maps;
 }
 
@@ -227,7 +222,7 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
             // A 16-bit cache at a multiple of 64 heads: the walk (mla_wide64_walk_sm90.cuh), one block per
             // SM and head block running its worker's units one after another, the next unit's loads issued
             // while the last one's rows are written. Against waves: 264 x 2048 h128 (four units a worker)
-            // 3.0-3.7% faster on an H200 and an H100, one 32K request at 128 heads 2.3-2.6% (H100); the
+            // 2.8-3.2% faster on an H100, 3.7% on an H200, one 32K request at 128 heads 2.3-2.6% (H100); the
             // other 64- and 128-head shapes timed within +-1.5%, the lease's spread (ffi/cuda/NOTES.md,
             // "thirty-ninth session", "fortieth session").
             if constexpr (kCache == kCacheAsQuery) {

@@ -187,18 +187,6 @@ __device__ __forceinline__ void tma_load_2d_hint(uint32_t dst, const void* map, 
 #endif
 }
 
-// A box of shared memory at src (in the map's swizzle) to global memory at coordinates {c0, c1} of the map,
-// in this thread's bulk group: bulk_commit_and_wait_read() closes the group and waits for its reads.
-// Coordinates past the tensor's extent are not written.
-__device__ __forceinline__ void tma_store_2d(const void* map, int c0, int c1, uint32_t src) {
-#ifdef JAX_MLA_HAS_WGMMA
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1), "r"(src)
-               : "memory");
-#endif
-}
-
 // Waits until the phase of the given parity has completed (acquire). A fresh
 // barrier is in phase 0, so waiting for parity 1 returns at once: that is how a
 // producer passes its first wait on an "empty" barrier.

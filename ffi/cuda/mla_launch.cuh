@@ -166,19 +166,11 @@ inline QueryTensorMaps query_tensor_maps(const Problem& p) {
   if (encode == nullptr || rows == 0 || rows >= (1ull << 31)) return maps;
   const CUtensorMapDataType type =
       std::is_same_v<T, __nv_bfloat16> ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  auto make = [&](CUtensorMap* map, const void* data, uint64_t dims, uint64_t num_rows) {
-    return num_rows < (1ull << 31) && encode_row_boxes(encode, map, type, data, dims, num_rows, (int)sizeof(T),
-                                                       kRowsPerTile, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
+  auto make = [&](CUtensorMap* map, const void* data, uint64_t dims) {
+    return encode_row_boxes(encode, map, type, data, dims, rows, (int)sizeof(T), kRowsPerTile,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
   };
-  bool ok = make(&maps.nope, p.q_nope, kDimCkv, rows) && make(&maps.pe, p.q_pe, kDimKpe, rows);
-#ifdef JAX_MLA_WALK_TMA_STORE
-  // The outputs in the same boxes (a store's box: 64 rows x 64 columns); the partial rows only where a
-  // split unit can write them (start_unit refuses a split whose rows are not there).
-  const uint64_t partial_rows = (uint64_t)p.num_partial_rows * (uint64_t)p.num_heads;
-  ok = ok && make(&maps.out, p.out, kDimCkv, rows) &&
-       (partial_rows == 0 || make(&maps.partial, p.partial_o, kDimCkv, partial_rows));
-#endif
-  maps.enabled = ok ? 1 : 0;
+  maps.enabled = make(&maps.nope, p.q_nope, kDimCkv) && make(&maps.pe, p.q_pe, kDimKpe) ? 1 : 0;
   return maps;
 }
 

@@ -949,13 +949,8 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   auto sum_ptr = [&](int half, int row) { return stat_ptr(W::kSum0 + half, row); };
   if constexpr (kWalk) {
     // The rows go to key buffer 1, so that buffer 0 takes the next unit's block 0 while they are copied out.
-#ifdef JAX_MLA_WALK_TMA_STORE  // (an A/B build: as four swizzled panels a warpgroup, stored by TMA)
-    stage_two_halves<T, HALF, true>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out, sum_ptr, W::kBoth,
-                                    W::kThreads, kb1);
-#else
     stage_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out, sum_ptr, W::kBoth,
                               W::kThreads, kb1);
-#endif
     hooks->read_next();  // the next unit (its record was stored before this unit's first barrier above)
     wgmma_wait<0>();  // the last trip's thrown-away S: the query panels are read
     fence_proxy_async_shared();  // the rows reach the bulk copies' reads
@@ -964,27 +959,16 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       // Every MMA of the unit is done: the query panels, P1 (P_B of the last pair, read) and buffer 0 take
       // the next unit's query tile and block 0, and this warpgroup goes on into it.
       hooks->load_next_first();
-#ifdef JAX_MLA_WALK_TMA_STORE
-      hooks->template store_rows_then_block1<0>(u, kb1);  // thread 0: tiles 0-3 of the rows, then of block 1
-#endif
       // As many barriers of its own as warpgroup 1 passes (its one after the copies): racecheck stops counting
       // a barrier of both as ordering the row sums once the warpgroups' counts of their own barriers differ
       // (its hazards on this walk without it; NOTES.md, "twelfth session"). Its threads wait for thread 0's
       // loads here instead of at the query tile's barrier.
       named_barrier_sync(W::kWarpgroup0, 128);
     } else {
-#ifdef JAX_MLA_WALK_TMA_STORE
-      // Thread 128: tiles 4-7 of the rows, then tiles 4-8 of block 1 (which this warpgroup's S reads first),
-      // before the barrier, which waits for warp 3's find.
-      hooks->template store_rows_then_block1<1>(u, kb1);
-      if (__shfl_sync(0xffffffffu, warp, 0) == 3) hooks->find_after_next();  // (uniform: see the walk kernel)
-      named_barrier_sync(W::kWarpgroup0 + 1, 128);  // (racecheck's balance with warpgroup 0's)
-#else
       copy_staged_rows<T>(p, u, h0, hb, rows, kb1, tid);  // rows <= 64: warps 0 and 1
       if (__shfl_sync(0xffffffffu, warp, 0) == 3) hooks->find_after_next();  // (uniform: see the walk kernel)
       named_barrier_sync(W::kWarpgroup0 + 1, 128);  // the copies have read buffer 1
       hooks->load_next_second();
-#endif
     }
   } else {
     store_two_halves<T, HALF>(p, u, h0, hb, rows, r, t4, l_run, m_run, o, scales.out, sum_ptr, W::kBoth, W::kThreads,

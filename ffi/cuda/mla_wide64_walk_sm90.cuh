@@ -17,8 +17,8 @@
 //   boxes to land;
 // - warpgroup 1 copies the rows out (warps 0 and 1), finds the unit after next (warp 3), waits for the
 //   copies' reads of buffer 1, issues block 1 there and follows; warpgroup 0 first waits for it at the next
-//   unit's m_B hand-off (-DJAX_MLA_WALK_TMA_STORE, an A/B build not yet measured: each warpgroup stages its
-//   columns as swizzled panels, writes them by TMA tensor stores and issues its half of block 1 over them);
+//   unit's m_B hand-off (rows written by TMA tensor stores from swizzled panels instead, each warpgroup
+//   issuing its half of block 1 over its own panels, were no faster: NOTES.md, "forty-first session");
 // - the barriers are not initialised again: each unit starts in the phases the last one left
 //   (Wide64Walk), and between two epilogues the warpgroups meet only at mbarrier phases, so neither waits
 //   for the other at the boundary.
@@ -54,12 +54,6 @@ namespace cuda {
 struct QueryTensorMaps {
   CUtensorMap nope;
   CUtensorMap pe;
-#ifdef JAX_MLA_WALK_TMA_STORE
-  // out [tokens * heads, 512] and the partial rows [partial rows * heads, 512] (made where there are any), in
-  // the same boxes: the epilogue's rows go out by TMA tensor stores (Wide64WalkHooks::store_rows_then_block1).
-  CUtensorMap out;
-  CUtensorMap partial;
-#endif
   int enabled;
 };
 
@@ -158,15 +152,13 @@ constexpr int kWalkRecordOff = (Wide64Sm90::BYTES + 15) & ~15;
 constexpr int kWalkSmemBytes = kWalkRecordOff + 4 * Wide64WalkNext::kWords + 1024 - 16;  // room to align the base
 static_assert(kWalkSmemBytes <= 227 * 1024, "one block per SM must fit");
 
-// Tiles [T0, T1) of block blk (0 or 1) of unit n into buffer blk (the whole block by default), and its key
-// mask with tile 0 (a reader of the mask has waited for every tile). One thread issues them.
-template <int T0 = 0, int T1 = Wide64Sm90::TILES>
+// Block blk (0 or 1) of unit n whole (its nine tiles) into buffer blk, with its key mask. One thread issues it.
 __device__ __forceinline__ void wide64_walk_load_block(const Problem& p, const KeyTensorMaps& maps,
                                                        const Wide64WalkNext& n, int blk, uint32_t base) {
   using W = Wide64Sm90;
   const Wide64Rows b = wide64_block_rows(p, maps, n.unit, blk, n.pages[blk]);
-  if constexpr (T0 == 0) st_shared_u32(W::mask_addr(base, blk), b.ok);
-  wide64_load_tiles<T0, T1>(maps, base, blk, b);
+  st_shared_u32(W::mask_addr(base, blk), b.ok);
+  wide64_load_tiles<0, W::TILES>(maps, base, blk, b);
 }
 
 // The body's hooks at a unit's end (wide64_warpgroup, kWalk). `next` holds the unit the body runs (its
@@ -199,28 +191,6 @@ struct Wide64WalkHooks {
     after.find(p, maps, next.index + 1, worker, workers);
     if ((threadIdx.x & 31) == 0) after.store(record());
   }
-#ifdef JAX_MLA_WALK_TMA_STORE
-  // Warpgroup HALF's thread 0, once the rows are staged as panels (stage_two_halves<T, HALF, true>) and every MMA of
-  // the unit is done: its four panels of unit u's rows to out or the partial rows (four boxes of 64 rows x 64
-  // columns), then, once they are read, block 1's tiles over them (warpgroup 0: the mask and tiles 0-3;
-  // warpgroup 1: tiles 4-8, the rope tile free throughout). The walk's units are 64 rows of one token.
-  template <int HALF>
-  __device__ __forceinline__ void store_rows_then_block1(const Unit& u, uint32_t kb1) {
-    using W = Wide64Sm90;
-    if (threadIdx.x != 128 * HALF) return;
-    const UnitDest d = unit_dest(p, u, 0, h0);  // row < 2^31: query_tensor_maps checks the tensors' rows
-    const void* map = u.partial_row >= 0 ? &q.partial : &q.out;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) tma_store_2d(map, 256 * HALF + 64 * k, (int)d.row, kb1 + (4 * HALF + k) * W::TILE);
-    bulk_commit_and_wait_read();
-    if (!has_next() || next.num_blocks() < 2) return;
-    if constexpr (HALF == 0) {
-      wide64_walk_load_block<0, 4>(p, maps, next, 1, base);
-    } else {
-      wide64_walk_load_block<4, W::TILES>(p, maps, next, 1, base);
-    }
-  }
-#endif
   // Warpgroup 1, thread 0, once the row copies have read key buffer 1.
   __device__ __forceinline__ void load_next_second() {
     if (threadIdx.x != 128 || !has_next()) return;

@@ -692,11 +692,7 @@ __device__ __forceinline__ void publish_row_sums(const float (&l_run)[2], const 
 // one bulk copy per row (ctid = 0 .. threads - 1 among the threads). Per thread 4-byte global stores
 // of the fragments took ~8,000 cycles a 64-row tile (NOTES.md, "third session"). The 64-key body's
 // walk (mla_wide64_walk_sm90.cuh) does its own work between the two stages.
-// kPanels (the walk's TMA-store epilogue, an A/B build: -DJAX_MLA_WALK_TMA_STORE): key panels instead of padded
-// rows, warpgroup HALF's 256 columns as four panels of 64 rows x 64 columns at `stage` + (4 HALF + k) panels,
-// 128 bytes a row in the 128-byte swizzle (chunk c of row r at c ^ (r & 7): a warp's fragment stores fall in
-// 32 distinct banks without padding), which a TMA tensor store a panel then writes out.
-template <typename T, int HALF, bool kPanels = false, typename SumPtr>
+template <typename T, int HALF, typename SumPtr>
 __device__ __forceinline__ void stage_two_halves(const Problem& p, const Unit& u, int h0, int hb, int rows,
                                                  const int (&r)[2], int t4, const float (&l_run)[2],
                                                  const float (&m_run)[2], const float (&o)[128], float out_scale,
@@ -708,13 +704,11 @@ __device__ __forceinline__ void stage_two_halves(const Problem& p, const Unit& u
   for (int e = 0; e < 2; ++e) {
     const float l = *sum_ptr(0, r[e]) + *sum_ptr(1, r[e]);
     const float inv = l != 0.f ? out_scale / l : 0.f;
-    const uint32_t row = kPanels ? stage + 4 * HALF * kKeyPanelBytes + r[e] * 128 + 4 * t4 : stage + r[e] * pitch;
+    const uint32_t row = stage + r[e] * pitch;
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-      // Columns HALF * 256 + 8 j + 2 t4: in panels, panel j / 8, chunk j % 8.
-      const uint32_t at = kPanels ? row + (j >> 3) * kKeyPanelBytes + (((j ^ r[e]) & 7) << 4)
-                                  : row + (HALF * 256 + 8 * j + 2 * t4) * (int)sizeof(T);
-      st_shared_u32(at, pack2<T>(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv));
+      const int col = HALF * 256 + 8 * j + 2 * t4;
+      st_shared_u32(row + col * (int)sizeof(T), pack2<T>(o[4 * j + 2 * e] * inv, o[4 * j + 2 * e + 1] * inv));
     }
     if (HALF == 0 && t4 == 0 && r[e] < rows) store_row_lse(p, u, h0, hb, r[e], m_run[e], l);
   }

@@ -25,7 +25,7 @@ bash scripts/build_driver.sh "$R/driver" > "$R/driver_build.log" 2>&1 || { tail 
 JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "$R/cases" --tag wide > "$R/cases.log" 2>&1
 case_file=$(ls "$R/cases/${SHAPE:-time1}"_*.bin | head -1)
 NCU="ncu --clock-control none --set full --import-source yes"
-timeout 200 $NCU -k regex:mla_attention_sm90 --launch-skip 8 --launch-count 1 -o "$R/ours" \
+timeout 200 $NCU -k "regex:mla_attention_(sm90|wide64_walk)_kernel" --launch-skip 8 --launch-count 1 -o "$R/ours" \
   "$R/driver" --time "$case_file" > "$R/ncu_ours.log" 2>&1
 echo "ours ($case_file): ncu rc=$?"
 wait

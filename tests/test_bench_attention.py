@@ -66,3 +66,21 @@ def test_replot_reads_the_committed_run(bench_attention, monkeypatch, tmp_path):
     assert len(drawn["records"]) == len(committed) > 0
     ragged = [r for r in drawn["records"] if not isinstance(r["kv_len"], int)]
     assert ragged and all(isinstance(r["kv_len"], tuple) and r["kv_len"][0] == "U" for r in ragged)
+
+
+def test_every_attention_kernel_of_the_cuda_sources_is_timed_as_ours(bench_attention):
+    """The device time sums the kernels our_kernel names; one it misses makes its rows fall back to wall time,
+    as the walk kernel's did when it became the default (forty-first session)."""
+    import re
+
+    sources = pathlib.Path(__file__).resolve().parents[1] / "ffi" / "cuda"
+    text = "\n".join(p.read_text() for p in sorted(sources.glob("*.cu*")))
+    names = set(re.findall(r"__global__\b[^;{]*?\b(mla_\w*kernel)\s*\(", text))
+    assert {"mla_attention_kernel", "mla_attention_wide64_walk_kernel", "mla_merge_kernel"} <= names, names
+    for name in names:
+        # as a trace names it: demangled, with the template arguments and parameters
+        traced = f"void jax_mla::cuda::{name}<__nv_bfloat16>(jax_mla::cuda::Problem)"
+        want = "merge" if "merge" in name else "attention"
+        assert bench_attention.our_kernel(traced) == want, name
+    assert bench_attention.our_kernel("void flash::mla_combine_kernel<cutlass::bfloat16_t>()") is None
+    assert bench_attention.our_kernel("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN") is None

@@ -98,9 +98,9 @@ def report(rows, timers, first_pair: int, last_pair: int, first: int = 0) -> lis
 
 
 def walk_boundaries(rows, timers) -> list[str]:
-    """A walk's trace (a -DJAX_MLA_TRACE driver) holds block 0's first unit in slots 0-3 and its second in
-    slots 4-7, which then starts after the first has ended (in a trace of waves, -DJAX_MLA_WIDE64_NO_WALK,
-    block B runs beside block 0): the boundary from the first unit's loop end to the second's first S, for
+    """A walk's trace (a -DJAX_MLA_TRACE -DJAX_MLA_WIDE64_WALK driver) holds block 0's first unit in slots 0-3
+    and its second in slots 4-7, which then starts after the first has ended (in a trace of waves, the
+    default, block B runs beside block 0): the boundary from the first unit's loop end to the second's first S, for
     each traced warp."""
     out = []
     for (case, slot), r in sorted(rows.items()):

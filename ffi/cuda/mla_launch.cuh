@@ -210,13 +210,13 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
           const KeyTensorMaps maps =
               key_tensor_maps<T, kCache>(p, p.page_size >= Wide64Sm90::BK ? Wide64Sm90::BK : WideSm90::BK);
           if (maps.enabled) {
-#ifndef JAX_MLA_WIDE64_NO_WALK  // (an A/B switch: every unit its own block, in waves, as before)
-            // A 16-bit cache at a multiple of 64 heads: the walk (mla_wide64_walk_sm90.cuh), one block per
-            // SM and head block running its worker's units one after another, the next unit's loads issued
-            // while the last one's rows are written. Against waves: 264 x 2048 h128 (four units a worker)
-            // 2.8-3.2% faster on an H100, 3.7% on an H200, one 32K request at 128 heads 2.3-2.6% (H100); the
-            // other 64- and 128-head shapes timed within +-1.5%, the lease's spread (ffi/cuda/NOTES.md,
-            // "thirty-ninth session", "fortieth session").
+#ifdef JAX_MLA_WIDE64_WALK  // (an A/B build, off by default: the walk, mla_wide64_walk_sm90.cuh)
+            // A 16-bit cache at a multiple of 64 heads: one block per SM and head block running its worker's
+            // units one after another, the next unit's loads issued while the last one's rows are written.
+            // Against waves (the default): 264 x 2048 h128 (four units a worker) 2.8-3.7% faster in the
+            // driver; but through JAX, interleaved, every 64- and 128-head page-64 shape of the benchmark (one
+            // or two units a worker) 1.3-3.2% slower, one 32K request even (H100; ffi/cuda/NOTES.md,
+            // "thirty-ninth" to "forty-first session").
             if constexpr (kCache == kCacheAsQuery) {
               if (p.num_heads % Wide64Sm90::ROWS == 0) {
                 const QueryTensorMaps qmaps = query_tensor_maps<T>(p);

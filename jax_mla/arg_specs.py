@@ -197,9 +197,11 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # ---- more 64-row units than workers (132 SMs / head blocks): data-parallel attention's large batches and
     # MTP at 128 heads, each an exact number of units a worker; the standalone driver times them
     # (`cases.py timing DIR --tag walk`) for the 64-key body's walk (mla_wide64_walk_sm90.cuh), where a block
-    # runs several units (ffi/cuda/NOTES.md, "thirty-seventh session"); 128 x 4096 h128 is the fourth
-    ArgSpec(128, 64, 1, 2048, batch=264, tags=_tags("walk")),
-    ArgSpec(128, 64, 2, 4096, batch=66, tags=_tags("walk")),
+    # runs several units (ffi/cuda/NOTES.md, "thirty-seventh session"); 128 x 4096 h128 is the fourth. The two
+    # 128-head ones are benchmark rows too: every other 128-head row gives a worker one or two units, and the
+    # walk's A/B through JAX saw only those (forty-first session)
+    ArgSpec(128, 64, 1, 2048, batch=264, tags=_tags("walk", "extra")),
+    ArgSpec(128, 64, 2, 4096, batch=66, tags=_tags("walk", "extra")),
     ArgSpec(64, 64, 1, 4096, batch=264, tags=_tags("walk")),
     # ---- planner sweep only
     ArgSpec(16, 64, 1, 8192, batch=8, tags=_tags("planner")),

@@ -84,3 +84,33 @@ def test_every_attention_kernel_of_the_cuda_sources_is_timed_as_ours(bench_atten
         assert bench_attention.our_kernel(traced) == want, name
     assert bench_attention.our_kernel("void flash::mla_combine_kernel<cutlass::bfloat16_t>()") is None
     assert bench_attention.our_kernel("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN") is None
+
+
+def test_jax_ab_report_tables_rounds_medians_and_ratios(bench_attention, tmp_path):
+    """tools/jax_ab_report.py (scripts/jax_ab.sh's table) names shapes as the benchmark does, takes each
+    variant's median over its rounds and marks wall-clock times."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "jax_ab_report", pathlib.Path(__file__).resolve().parents[1] / "tools" / "jax_ab_report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    fixed = dict(batch=128, kv_len=4096, heads=128, page_size=64, q_len=1, kv_dtype="bfloat16")
+    ragged = dict(batch=64, kv_len=["U", 500, 16384, 7], heads=20, page_size=64, q_len=["U", 1, 3],
+                  kv_dtype="bfloat16")
+    for rec in (fixed, ragged):
+        assert report.shape_key(rec) == bench_attention.shape_name(bench_attention.shape_of(
+            {k: tuple(v) if isinstance(v, list) else v for k, v in rec.items()}))
+    times = {("a", 1): (260.0, 80.0), ("a", 2): (262.0, 82.0), ("a", 3): (261.0, 90.0),
+             ("b", 1): (250.0, 88.0), ("b", 2): (254.0, 86.0), ("b", 3): (252.0, 84.0)}
+    for (name, r), (t_fixed, t_ragged) in times.items():
+        d = tmp_path / f"r{r}_{name}"
+        d.mkdir()
+        recs = [dict(fixed, ours_us=t_fixed, ours_timing="device"),
+                dict(ragged, ours_us=t_ragged, ours_timing="wall" if (name, r) == ("b", 2) else "device")]
+        (d / "h200.json").write_text(json.dumps({"records": recs}))
+    (tmp_path / "r1_c").mkdir()  # a variant not asked for is left out
+    lines = report.table(report.collect(tmp_path, ["a", "b"]), ["a", "b"]).splitlines()
+    assert lines[0] == "| shape | a: rounds, us | a median | b: rounds, us | b median | b / a |"
+    assert lines[2] == "| 128x4096 h128 ps64 q1 | 260.0, 262.0, 261.0 | 261.0 | 250.0, 254.0, 252.0 | 252.0 | 0.966 |"
+    assert lines[3] == "| 64xU[500,16384] h20 ps64 qU[1,3] | 80.0, 82.0, 90.0 | 82.0 | 88.0, 86.0w, 84.0 | 86.0 | 1.049 |"

@@ -76,8 +76,8 @@ __device__ __forceinline__ void wide64_walk_load_queries(const QueryTensorMaps& 
 // worker (kWorkWorker modulo the workers) is this one and which is not padding, finished (finish_unit: its
 // device length read), its blocks on the box at or below its first key (key_lo), and the page ids of its
 // blocks 0-3 (0 past its blocks); index >= num_work when none is left. One warp finds it: it reads two
-// columns of 32 rows a step and takes the first row of its ballot; a row that start_unit refuses (another
-// plan's) is passed over. Every read is the plan's or the device lengths' or the page table's, none of them
+// columns of 128 rows a trip (eight loads a lane in flight) and takes the first row of its ballots; a row that
+// start_unit refuses (another plan's) is passed over. Every read is the plan's or the device lengths' or the page table's, none of them
 // written by the kernel, so a unit can be found at any time before it runs: warp 3 of warpgroup 1 finds the
 // unit after next while warpgroup 1's row copies drain (Wide64WalkHooks), and keeps it in shared memory
 // (store / load: 20 words at kWalkRecordOff) until every thread reads it at the next epilogue.
@@ -87,6 +87,7 @@ struct Wide64WalkNext {
   int key_lo;
   Wide64Pages pages[4];
   static constexpr int kWords = 20;
+  static constexpr int kSteps = 4;  // find's rows a trip, in 32s
 
   __device__ __forceinline__ void find(const Problem& p, const KeyTensorMaps& maps, int from, int worker,
                                        int workers) {
@@ -95,19 +96,33 @@ struct Wide64WalkNext {
     key_lo = 0;
     index = from;
     while (index < p.num_work) {
-      const int i = index + lane;
-      bool mine = false;
-      if (i < p.num_work) {
-        const int32_t* row = p.work + (size_t)i * kWorkCols;
-        const int w = __ldg(row + kWorkWorker) % workers;
-        mine = __ldg(row + kWorkQLen) > 0 && (w < 0 ? w + workers : w) == worker;
+      // kSteps x 32 rows a trip, every load issued before the first is used: one round trip a trip, so that
+      // a worker's first unit (about row `worker` of the planner's plans) and the scan past its last one
+      // through the padding each cost one, not one per 32 rows (the walk's cost at one unit a worker:
+      // NOTES.md, "forty-first session").
+      int worker_of[kSteps], q_len[kSteps];
+#pragma unroll
+      for (int k = 0; k < kSteps; ++k) {
+        const int i = index + 32 * k + lane;
+        worker_of[k] = 0, q_len[k] = 0;
+        if (i < p.num_work) {
+          const int32_t* row = p.work + (size_t)i * kWorkCols;
+          worker_of[k] = __ldg(row + kWorkWorker);
+          q_len[k] = __ldg(row + kWorkQLen);
+        }
       }
-      const unsigned found = __ballot_sync(0xffffffffu, mine);
-      if (found == 0) {
-        index += 32;
+      int first = -1;
+#pragma unroll
+      for (int k = kSteps - 1; k >= 0; --k) {
+        const int w = worker_of[k] % workers;
+        const unsigned found = __ballot_sync(0xffffffffu, q_len[k] > 0 && (w < 0 ? w + workers : w) == worker);
+        if (found != 0) first = 32 * k + __ffs(found) - 1;
+      }
+      if (first < 0) {
+        index += 32 * kSteps;
         continue;
       }
-      index += __ffs(found) - 1;
+      index += first;
       if (start_unit(p, index, unit)) {
         finish_unit(p, unit);
         // The blocks start on the box at or below the first key (a box lies in one page); an empty unit keeps

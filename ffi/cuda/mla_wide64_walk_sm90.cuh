@@ -76,11 +76,12 @@ __device__ __forceinline__ void wide64_walk_load_queries(const QueryTensorMaps& 
 // worker (kWorkWorker modulo the workers) is this one and which is not padding, finished (finish_unit: its
 // device length read), its blocks on the box at or below its first key (key_lo), and the page ids of its
 // blocks 0-3 (0 past its blocks); index >= num_work when none is left. One warp finds it: it reads two
-// columns of 128 rows a trip (eight loads a lane in flight) and takes the first row of its ballots; a row that
-// start_unit refuses (another plan's) is passed over. Every read is the plan's or the device lengths' or the page table's, none of them
-// written by the kernel, so a unit can be found at any time before it runs: warp 3 of warpgroup 1 finds the
-// unit after next while warpgroup 1's row copies drain (Wide64WalkHooks), and keeps it in shared memory
-// (store / load: 20 words at kWalkRecordOff) until every thread reads it at the next epilogue.
+// columns of 128 rows a trip (eight loads a lane in flight) and takes the first row of its ballots; a row
+// that start_unit refuses (another plan's) is passed over. Every read is the plan's or the device lengths'
+// or the page table's, none of them written by the kernel, so a unit can be found at any time before it
+// runs: warp 3 of warpgroup 1 finds the unit after next while warpgroup 1's row copies drain
+// (Wide64WalkHooks), and keeps it in shared memory (store / load: 20 words at kWalkRecordOff) until every
+// thread reads it at the next epilogue.
 struct Wide64WalkNext {
   Unit unit;
   int index;

@@ -481,7 +481,7 @@ def bench_shape(s, peers, copy_bps, sweep_targets=None, kv_dtype="bfloat16", pow
     k1, k2 = calls_for(s, copy_bps)
     inp = Inputs(s, k2, kv_dtype=kv_dtype, fp8_products=fp8_products)
     flops, nbytes = work_of(s, kv_dtype)
-    rec = dict(batch=s[0], kv_len=s[1], heads=s[2], page_size=s[3], q_len=s[4], dtype="bfloat16",
+    rec = dict(shape=shape_name(s), batch=s[0], kv_len=s[1], heads=s[2], page_size=s[3], q_len=s[4], dtype="bfloat16",
                kv_dtype=kv_dtype, fp8_products=fp8_products, d_ckv=D_CKV, d_kpe=D_KPE, flops=flops, bytes=nbytes,
                calls=[k1, k2], cache_sets=inp.n_sets)
     plan = inp.plan()

@@ -26,6 +26,7 @@ def test_fp8_rows_run_with_and_without_fp8_products(bench_attention):
     for products in (False, True):
         rec = bench.bench_shape(shape, {}, copy_bps, kv_dtype=bench.FP8, fp8_products=products)
         assert rec["fp8_products"] is products and rec["kv_dtype"] == bench.FP8
+        assert rec["shape"] == "2x100 h64 ps32 q1"  # the name tools/jax_ab_report.py's rows go by
         assert rec["ours_us"] > 0
         # the CPU handler computes exactly with or without the option (bf16 rounding of the output only);
         # on sm_90a the option's e4m3 products cost ~4e-2
@@ -86,8 +87,8 @@ def test_every_attention_kernel_of_the_cuda_sources_is_timed_as_ours(bench_atten
     assert bench_attention.our_kernel("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN") is None
 
 
-def test_jax_ab_report_tables_rounds_medians_and_ratios(bench_attention, tmp_path):
-    """tools/jax_ab_report.py (scripts/jax_ab.sh's table) names shapes as the benchmark does, takes each
+def test_jax_ab_report_tables_rounds_medians_and_ratios(tmp_path):
+    """tools/jax_ab_report.py (scripts/jax_ab.sh's table) keys rows by the benchmark's shape names, takes each
     variant's median over its rounds and marks wall-clock times."""
     import importlib.util
 
@@ -95,12 +96,10 @@ def test_jax_ab_report_tables_rounds_medians_and_ratios(bench_attention, tmp_pat
         "jax_ab_report", pathlib.Path(__file__).resolve().parents[1] / "tools" / "jax_ab_report.py")
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
-    fixed = dict(batch=128, kv_len=4096, heads=128, page_size=64, q_len=1, kv_dtype="bfloat16")
-    ragged = dict(batch=64, kv_len=["U", 500, 16384, 7], heads=20, page_size=64, q_len=["U", 1, 3],
-                  kv_dtype="bfloat16")
-    for rec in (fixed, ragged):
-        assert report.shape_key(rec) == bench_attention.shape_name(bench_attention.shape_of(
-            {k: tuple(v) if isinstance(v, list) else v for k, v in rec.items()}))
+    fixed = dict(shape="128x4096 h128 ps64 q1", kv_dtype="bfloat16")
+    ragged = dict(shape="64xU[500,16384] h20 ps64 qU[1,3]", kv_dtype="bfloat16")
+    assert report.shape_key(dict(fixed, kv_dtype="float8_e4m3fn", fp8_products=True)) == \
+        "128x4096 h128 ps64 q1 float8_e4m3fn fp8_products"
     times = {("a", 1): (260.0, 80.0), ("a", 2): (262.0, 82.0), ("a", 3): (261.0, 90.0),
              ("b", 1): (250.0, 88.0), ("b", 2): (254.0, 86.0), ("b", 3): (252.0, 84.0)}
     for (name, r), (t_fixed, t_ragged) in times.items():

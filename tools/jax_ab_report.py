@@ -4,8 +4,9 @@ per round (benchmarks/bench_attention.py's `ours_us`), its median, and the media
     python3 tools/jax_ab_report.py RUNS_DIR NAME [NAME ...]
 
 RUNS_DIR holds one directory per run, `r<round>_<name>`, each with the benchmark's JSON (`h200.json`, whatever
-the device). A time the benchmark took from the wall clock (no device trace) is marked "w": it is not
-comparable with device times.
+the device), whose records carry their shape's name (`shape`, written by bench_attention.py since this tool
+came). A time the benchmark took from the wall clock (no device trace) is marked "w": it is not comparable
+with device times.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ import statistics
 
 
 def shape_key(rec) -> str:
-    """The benchmark's name of a record's shape (bench_attention.shape_name), without importing JAX."""
-    def dim(v):  # a Uniform is stored as ["U", low, high(, seed)]
-        return f"U[{v[1]},{v[2]}]" if isinstance(v, list) else str(v)
-    name = f"{rec['batch']}x{dim(rec['kv_len'])} h{rec['heads']} ps{rec['page_size']} q{dim(rec['q_len'])}"
-    if rec.get("kv_dtype", "bfloat16") != "bfloat16":
-        name += f" {rec['kv_dtype']}" + (" fp8_products" if rec.get("fp8_products") else "")
-    return name
+    """A record's row: the shape's name as the benchmark wrote it, and the cache dtype where it is not bf16
+    (an fp8 run of a shape is another row than its bf16 one)."""
+    if rec.get("kv_dtype", "bfloat16") == "bfloat16":
+        return rec["shape"]
+    return f"{rec['shape']} {rec['kv_dtype']}" + (" fp8_products" if rec.get("fp8_products") else "")
 
 
 def collect(runs: pathlib.Path, names):

@@ -9,7 +9,9 @@
 #
 # A variant is NAME:SPEC, SPEC a comma-separated list of items: NAME=VALUE sets that variable for the build
 # (the CMake options pyproject.toml maps, e.g. JAX_MLA_WIDE64_WALK=ON), -D... is passed to nvcc (CUDAFLAGS,
-# which CMake reads when it configures the variant's fresh build directory). Each variant is built into
+# which CMake reads when it configures the variant's fresh build directory), src=DIR builds the variant from
+# another source tree (default: this checkout), e.g. `git archive HEAD~1 | tar -x -C DIR`, for a change in
+# the Python side or the planner, which the variant's installed package carries. Each variant is built into
 # /tmp/jax_ab/NAME (`pip install --target`), all at once; then each round runs bench_attention.py (no peers,
 # no fp8 rows, the shapes whose names contain one of ONLY's comma-separated pieces) from every variant, the
 # order reversed every other round. ROUNDS: how many (default 3); BUDGET_S: no round starts after this many
@@ -35,19 +37,20 @@ names=()
 for v in $VARIANTS; do
   name=${v%%:*} spec=${v#*:}
   names+=("$name")
-  envs=() flags=""
+  envs=() flags="" src=.
   IFS=',' read -ra items <<< "$spec"
   for it in "${items[@]}"; do
     case "$it" in
       "") ;;
       -*) flags="$flags $it" ;;
+      src=*) src=${it#src=} ;;
       *=*) envs+=("$it") ;;
       *) echo "variant $name: '$it' is neither NAME=VALUE nor an nvcc flag"; exit 2 ;;
     esac
   done
   ( env "${envs[@]}" CUDAFLAGS="${CUDAFLAGS:-}$flags" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-8} \
-      timeout 300 python3 -m pip install --no-build-isolation --no-deps --target "$W/$name" . \
-      -Cbuild-dir="build/jax_ab_$name" > "$W/build_$name.log" 2>&1
+      timeout 300 python3 -m pip install --no-build-isolation --no-deps --target "$W/$name" "$src" \
+      -Cbuild-dir="$PWD/build/jax_ab_$name" > "$W/build_$name.log" 2>&1
     echo "build $name exit $?" ) &
 done
 wait $(jobs -p)

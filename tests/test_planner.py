@@ -138,6 +138,37 @@ def test_even_splits_run_longest_first():
 
 
 @pytest.mark.parametrize("planner", ["native", "numpy"])
+@pytest.mark.parametrize("q_len, split", [(2, False), (3, False), (2, True)])
+def test_tiles_of_one_request_stay_neighbours(planner, q_len, split):
+    """At 128 heads a tile is one token, so q_len 2-3 makes q_len tiles per request, each seeing one key
+    fewer than the next. Longest first must not rank them apart: the tiles (and split parts) that read the
+    same keys are neighbours in the plan, so their blocks run in one wave and share the keys through L2.
+    Ranked by their own keys, every request's first token went to one wave and its last to the next.
+    (split: few requests of one length, cut into equal parts; a ragged batch's packed plan orders units
+    by their start on their worker instead.)"""
+    n_req = 8 if split else 66
+    kv = np.full(n_req, 4000) if split else np.random.default_rng(q_len).integers(3000, 4097, n_req)
+    plan_fn = plan_mla if planner == "native" else P.plan_mla_numpy
+    plan = plan_fn(np.full(n_req, q_len), kv, num_heads=128, page_size=64, target=PlanTarget(num_workers=132))
+    check_plan(plan, kv)
+    w = np.asarray(plan.work)
+    live = w[w[:, P.W_QLEN] > 0]
+    assert len(live) > n_req * q_len if split else len(live) == n_req * q_len
+    # the units reading one request's keys from one start: q_len of them, in consecutive rows (split: a
+    # request's tiles are cut alike, and its units lie within q_len x parts rows, one wave's blocks)
+    group = live[:, P.W_REQUEST] * (1 << 20) + live[:, P.W_KV_START]
+    _, first, inverse, count = np.unique(group, return_index=True, return_inverse=True, return_counts=True)
+    assert (count == q_len).all()
+    last = np.zeros_like(first)
+    np.maximum.at(last, inverse, np.arange(len(group)))
+    parts = len(live) // (n_req * q_len)
+    assert (last - first < (q_len if not split else q_len * parts)).all(), live[:, [P.W_REQUEST, P.W_KV_START]]
+    # still longest first, by the request's keys
+    if not split:
+        assert (np.diff(kv[live[:, P.W_REQUEST]]) <= 0).all()
+
+
+@pytest.mark.parametrize("planner", ["native", "numpy"])
 def test_ragged_batch_is_packed_onto_workers(planner):
     """Lengths U[1000, 8192] at 128 heads: equal parts per request leave the longest part ~1.3x the
     mean; packed, the workers finish within a few percent of one another when units start in order."""

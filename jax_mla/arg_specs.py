@@ -189,6 +189,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(40, 16, Uniform(1, 3), Uniform(64, 4096, 4), batch=96, tags=_tags("extra")),
     ArgSpec(128, 64, 1, Uniform(500, 16384, 7), batch=64, tags=_tags("extra")),
     ArgSpec(16, 64, 1, Uniform(1, 4096, 3), batch=100, tags=_tags("extra")),
+    # MTP at 128 heads on a ragged batch: two one-token tiles a request, fewer than the workers, so split
+    # and packed (whether a request's two tiles read its keys together; forty-second session)
+    ArgSpec(128, 64, 2, Uniform(500, 16384, 7), batch=32, tags=_tags("extra")),
     # wide units on pages under 32 keys (SGLang's FlashInfer MLA path runs on pages of one key): the
     # kernel cannot read these blocks by TMA
     ArgSpec(128, 1, 1, 4096, batch=128, tags=_tags("extra", "pages")),

@@ -427,6 +427,7 @@ def plan_mla_numpy(
     # ---- query tiles: ceil(qo / q_tile) per request -----------------------------
     # (The NumPy here is counted in microseconds: it runs before every step. The
     # common decode / verify case, one tile per request, skips the general path.)
+    group = 1  # tiles a request has, where every request with queries has that many (below: packing)
     if max_q <= q_tile:
         if num_req and qo.min() > 0:
             tile_req, tile_qlen, tile_kv = np.arange(num_req), qo, kv
@@ -437,6 +438,9 @@ def plan_mla_numpy(
         tile_eoff = tile_qlen
     else:
         n_tiles = -(-qo // q_tile)
+        live_tiles = n_tiles[n_tiles > 0]
+        if live_tiles.min() == live_tiles.max():
+            group = int(live_tiles[0])
         tile_req = np.repeat(np.arange(num_req), n_tiles)
         tile_first = np.cumsum(n_tiles) - n_tiles
         tile_off = (np.arange(tile_req.size) - tile_first[tile_req]) * q_tile  # token index in request
@@ -490,38 +494,54 @@ def plan_mla_numpy(
     # units are ordered by their start on their worker: a worker's next unit is the next one handed
     # out when it frees. Taken when the cost model says it is clearly shorter and it fits the
     # buckets above (which depend on the tile count only).
+    #
+    # Where every request has the same number g > 1 of tiles (q_len 2-4 at 64-128 heads: MTP), a request's
+    # tiles are packed as one: its last tile's keys are cut onto g workers at once, at the same keys, so
+    # the g units that read a piece run side by side and read it from HBM once. Packed one by one, the
+    # tiles of a request were cut at different keys and read them at different times (up to thousands
+    # of keys apart, more than L2 holds across the workers). The group's tiles see at most (g - 1) *
+    # q_tile keys fewer than its last, less than a cut piece (min_chunk), so each of its units but the
+    # last (open-ended) ends within its own tile.
     packed = None
     if chunk:  # equal parts of each tile, aligned
         n_split = np.maximum(1, -(-tile_kv // chunk))
         tile_chunk = np.maximum(-(-(-(-tile_kv // n_split)) // align) * align, align)
         n_split = np.maximum(1, -(-tile_kv // tile_chunk))
+    if not (group > 1 and (group - 1) * q_tile < target.min_chunk and slots // group > n_t // group):
+        group = 1
+    pack_kv, pack_slots = tile_kv[group - 1 :: group], slots // group  # a group's last tile sees the most keys
     if slots > n_t and max_kv > target.min_chunk:
         longest_a = int(np.minimum(tile_kv, tile_chunk).max()) if chunk else max_kv
         # The longest span worth packing for; at that span a tile of kv keys is at least
         # ceil(kv / (most - ovh)) units, each with its overhead, which all workers must hold.
         most = (32 * (longest_a + ovh) - 1) // 33
         if most - ovh >= align:
-            least_units = int(np.maximum(1, -(-tile_kv // (most - ovh))).sum())
-            if int(tile_kv.sum()) + least_units * ovh <= slots * most:
-                packed = _pack(tile_kv.tolist(), slots, ovh, align, target.min_chunk, most)
+            least_units = int(np.maximum(1, -(-pack_kv // (most - ovh))).sum())
+            if int(pack_kv.sum()) + least_units * ovh <= pack_slots * most:
+                packed = _pack(pack_kv.tolist(), pack_slots, ovh, align, target.min_chunk, most)
     if packed is not None:
-        units_b, span_b = packed
-        n_split_b = np.bincount(np.asarray(units_b[0], np.int64), minlength=n_t)
+        (g_tile, g_start, g_len, g_t0, g_w), span_b = packed
+        g_tile = np.asarray(g_tile, np.int64)
+        first = np.r_[True, g_tile[1:] != g_tile[:-1]]  # a group's units are consecutive
+        g_j = np.arange(g_tile.size) - np.flatnonzero(first)[np.cumsum(first) - 1]
+        # Each of a group's units once for each of its tiles, side by side: tile i on worker g_w * group + i.
+        i = np.arange(group)
+        u_tile = np.add.outer(g_tile * group, i).ravel()
+        u_w = np.add.outer(np.asarray(g_w, np.int64) * group, i).ravel()
+        u_start, u_len, u_t0, unit_j = (np.repeat(np.asarray(x, np.int64), group)
+                                        for x in (g_start, g_len, g_t0, g_j))
+        n_split_b = np.bincount(u_tile, minlength=n_t)
         split_b = n_split_b > 1
-        if not (33 * span_b < 32 * (longest_a + ovh) and len(units_b[0]) <= n_work
+        if not (33 * span_b < 32 * (longest_a + ovh) and len(u_tile) <= n_work
                 and int(split_b.sum()) <= n_merge and int((n_split_b * tile_qlen)[split_b].sum()) <= n_partial):
             packed = None
 
     if packed is not None:
-        (u_tile, u_start, u_len, u_t0, u_w), _ = packed
-        u_tile = np.asarray(u_tile, np.int64)
-        first = np.r_[True, u_tile[1:] != u_tile[:-1]]  # a tile's units are consecutive
-        unit_j = np.arange(u_tile.size) - np.flatnonzero(first)[np.cumsum(first) - 1]
-        n_units, _ = _write_split_units(w, merge.T, n_split_b, u_tile, unit_j, np.asarray(u_start, np.int64),
-                                        np.asarray(u_len, np.int64), tile_req, tile_qstart, tile_qlen, tile_eoff)
+        n_units, _ = _write_split_units(w, merge.T, n_split_b, u_tile, unit_j, u_start, u_len, tile_req,
+                                        tile_qstart, tile_qlen, tile_eoff)
         w[W_WORKER, :n_units] = u_w
         # By start on the worker (ties: worker order, which is the order _pack made them in).
-        work[:n_units] = work[np.argsort(np.minimum(np.asarray(u_t0, np.int64), INT32_MAX), kind="stable")]
+        work[:n_units] = work[np.argsort(np.minimum(u_t0, INT32_MAX), kind="stable")]
     elif chunk == 0:
         n_units = n_t
         w[W_REQUEST, :n_t] = tile_req

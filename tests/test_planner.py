@@ -138,34 +138,42 @@ def test_even_splits_run_longest_first():
 
 
 @pytest.mark.parametrize("planner", ["native", "numpy"])
-@pytest.mark.parametrize("q_len, split", [(2, False), (3, False), (2, True)])
-def test_tiles_of_one_request_stay_neighbours(planner, q_len, split):
+@pytest.mark.parametrize("q_len, kind", [(2, "whole"), (3, "whole"), (2, "split"), (2, "packed"), (3, "packed")])
+def test_tiles_of_one_request_stay_neighbours(planner, q_len, kind):
     """At 128 heads a tile is one token, so q_len 2-3 makes q_len tiles per request, each seeing one key
-    fewer than the next. Longest first must not rank them apart: the tiles (and split parts) that read the
-    same keys are neighbours in the plan, so their blocks run in one wave and share the keys through L2.
-    Ranked by their own keys, every request's first token went to one wave and its last to the next.
-    (split: few requests of one length, cut into equal parts; a ragged batch's packed plan orders units
-    by their start on their worker instead.)"""
-    n_req = 8 if split else 66
-    kv = np.full(n_req, 4000) if split else np.random.default_rng(q_len).integers(3000, 4097, n_req)
+    fewer than the next. The units that read one request's keys from one start are neighbours in the
+    plan, so their blocks run together and share the keys through L2:
+    - whole (more tiles than workers): longest first ranks a request's tiles by the request's keys, where
+      ranked by their own keys every request's first token went to one wave and its last to the next;
+    - split (few requests of one length, equal parts): a request's tiles are cut alike, and its units lie
+      within q_len x parts rows;
+    - packed (a ragged batch): a request's tiles are packed as one, cut at the same keys onto neighbouring
+      workers, where packed one by one they were cut thousands of keys apart."""
+    n_req = {"whole": 66, "split": 8, "packed": 48 // q_len}[kind]
+    rng = np.random.default_rng(q_len)
+    kv = {"whole": rng.integers(3000, 4097, n_req), "split": np.full(n_req, 4000),
+          "packed": rng.integers(500, 16385, n_req)}[kind]
+    t = PlanTarget(num_workers=132)
     plan_fn = plan_mla if planner == "native" else P.plan_mla_numpy
-    plan = plan_fn(np.full(n_req, q_len), kv, num_heads=128, page_size=64, target=PlanTarget(num_workers=132))
+    plan = plan_fn(np.full(n_req, q_len), kv, num_heads=128, page_size=64, target=t)
     check_plan(plan, kv)
     w = np.asarray(plan.work)
     live = w[w[:, P.W_QLEN] > 0]
-    assert len(live) > n_req * q_len if split else len(live) == n_req * q_len
-    # the units reading one request's keys from one start: q_len of them, in consecutive rows (split: a
-    # request's tiles are cut alike, and its units lie within q_len x parts rows, one wave's blocks)
+    assert len(live) > n_req * q_len if kind != "whole" else len(live) == n_req * q_len
     group = live[:, P.W_REQUEST] * (1 << 20) + live[:, P.W_KV_START]
     _, first, inverse, count = np.unique(group, return_index=True, return_inverse=True, return_counts=True)
-    assert (count == q_len).all()
+    assert (count == q_len).all(), live[:, [P.W_REQUEST, P.W_KV_START]]
     last = np.zeros_like(first)
     np.maximum.at(last, inverse, np.arange(len(group)))
     parts = len(live) // (n_req * q_len)
-    assert (last - first < (q_len if not split else q_len * parts)).all(), live[:, [P.W_REQUEST, P.W_KV_START]]
-    # still longest first, by the request's keys
-    if not split:
+    assert (last - first < (q_len * parts if kind == "split" else q_len)).all(), live[:, [P.W_REQUEST, P.W_KV_START]]
+    if kind == "whole":  # still longest first, by the request's keys
         assert (np.diff(kv[live[:, P.W_REQUEST]]) <= 0).all()
+    if kind == "packed":  # a request's units on neighbouring workers, and the workers still balanced
+        workers = 132 // 2
+        assert (np.diff(live[:, P.W_WORKER].reshape(-1, q_len), axis=1) == 1).all()
+        even_share = (q_len * kv.sum() + len(live) * t.unit_overhead) / workers
+        assert walked_span(plan, kv, t.unit_overhead, workers) <= 1.08 * even_share
 
 
 @pytest.mark.parametrize("planner", ["native", "numpy"])

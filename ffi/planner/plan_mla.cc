@@ -85,7 +85,7 @@ std::vector<uint32_t> stable_order(const std::vector<uint32_t>& keys) {
 // planner._pack_at: the tiles in order onto `slots` workers of `span` each (a unit costs its keys +
 // ovh). Units come out in worker order; loads[w] is worker w's total.
 struct PackUnit {
-  int64_t tile, start, len, t0, worker;  // t0: start on its worker
+  int64_t tile, start, len, t0, worker, part;  // t0: start on its worker; part: the tile's unit index
 };
 void pack_at(const Tiles& t, int64_t slots, int64_t span, int64_t ovh, int64_t align, int64_t min_piece,
              std::vector<PackUnit>& units, std::vector<int64_t>& loads) {
@@ -106,7 +106,8 @@ void pack_at(const Tiles& t, int64_t slots, int64_t span, int64_t ovh, int64_t a
         take = piece >= min_piece ? piece : used == 0 ? r : -1;
       }
       if (take >= 0) {
-        units.push_back({i, s, take, used, w});
+        const int64_t part = !units.empty() && units.back().tile == i ? units.back().part + 1 : 0;
+        units.push_back({i, s, take, used, w, part});
         s += take;
         used += take + ovh;
       }
@@ -192,7 +193,12 @@ Plan plan_mla(const PlanRequest& in) {
   // ---- query tiles: ceil(qo / q_tile) per request, tokens from the end backwards.
   Tiles t;
   t.reserve(max_q <= q_tile ? R : R + total_q / q_tile);
+  int64_t group = -1;  // tiles a request has, where every request with queries has that many; else 1
   for (int64_t r = 0; r < R; ++r) {
+    if (qo[r] > 0) {
+      const int64_t n = ceil_div(qo[r], q_tile);
+      group = group < 0 || group == n ? n : 1;
+    }
     for (int64_t off = 0; off < qo[r]; off += q_tile) {
       const int64_t qlen = std::min(q_tile, qo[r] - off), eoff = qo[r] - off;
       // keys the tile's last token sees: causal, aligned to the end
@@ -248,13 +254,30 @@ Plan plan_mla(const PlanRequest& in) {
     // The longest span worth packing for; at that span a tile of kv keys is at least
     // ceil(kv / (most - ovh)) units, each with its overhead, which all workers must hold.
     const int64_t most = (32 * (longest_a + ovh) - 1) / 33;
+    // A request's tiles packed as one where each request has `group` > 1 of them (planner.py): its last
+    // tile, which sees the most keys, cut onto slots / group workers.
+    if (!(group > 1 && (group - 1) * q_tile < in.min_chunk && slots / group > n_t / group)) group = 1;
+    Tiles last_tiles;
+    int64_t last_sum = 0;
+    for (int64_t i = group - 1; i < n_t; i += group) {
+      last_tiles.push_back(t[i]);
+      last_sum += t[i].kv;
+    }
+    const int64_t pack_slots = slots / group;
     int64_t least_units = 0;
     if (most - ovh >= align) {
-      for (const Tile& x : t) least_units += std::max<int64_t>(1, ceil_div(x.kv, most - ovh));
+      for (const Tile& x : last_tiles) least_units += std::max<int64_t>(1, ceil_div(x.kv, most - ovh));
     }
     int64_t span_b = 0;
-    if (most - ovh >= align && kv_sum + least_units * ovh <= slots * most &&
-        pack(t, slots, ovh, align, in.min_chunk, most, packed, span_b)) {
+    std::vector<PackUnit> group_units;
+    if (most - ovh >= align && last_sum + least_units * ovh <= pack_slots * most &&
+        pack(last_tiles, pack_slots, ovh, align, in.min_chunk, most, group_units, span_b)) {
+      // Each of a group's units once for each of its tiles, side by side: tile i on worker w * group + i.
+      for (const PackUnit& u : group_units) {
+        for (int64_t i = 0; i < group; ++i) {
+          packed.push_back({u.tile * group + i, u.start, u.len, u.t0, u.worker * group + i, u.part});
+        }
+      }
       pack_splits.assign(n_t, 0);
       for (const PackUnit& u : packed) ++pack_splits[u.tile];
       int64_t n_split_tiles = 0, split_rows = 0;
@@ -297,10 +320,8 @@ Plan plan_mla(const PlanRequest& in) {
       m[kMergeNumSplits] = (int32_t)pack_splits[i];
       part_base += pack_splits[i] * x.qlen;
     }
-    int64_t j = 0;
-    for (size_t k = 0; k < packed.size(); ++k) {
-      const PackUnit& u = packed[k];
-      j = (k > 0 && packed[k - 1].tile == u.tile) ? j + 1 : 0;  // a tile's units are consecutive
+    for (const PackUnit& u : packed) {
+      const int64_t j = u.part;
       const Tile& x = t[u.tile];
       const bool last = j == pack_splits[u.tile] - 1;
       units.push_back({{(int32_t)x.req, (int32_t)x.qstart, (int32_t)x.qlen, (int32_t)x.eoff, (int32_t)u.start,

@@ -166,7 +166,8 @@ def test_tiles_of_one_request_stay_neighbours(planner, q_len, kind):
     last = np.zeros_like(first)
     np.maximum.at(last, inverse, np.arange(len(group)))
     parts = len(live) // (n_req * q_len)
-    assert (last - first < (q_len * parts if kind == "split" else q_len)).all(), live[:, [P.W_REQUEST, P.W_KV_START]]
+    window = q_len * parts if kind == "split" else q_len
+    assert (last - first < window).all(), live[:, [P.W_REQUEST, P.W_KV_START]]
     if kind == "whole":  # still longest first, by the request's keys
         assert (np.diff(kv[live[:, P.W_REQUEST]]) <= 0).all()
     if kind == "packed":  # a request's units on neighbouring workers, and the workers still balanced

@@ -74,6 +74,20 @@ def test_plan_covers_every_visible_key_once(rng, heads, workers):
     check_plan(plan, kv)
 
 
+@pytest.mark.parametrize("heads, q_len", [(64, 2), (128, 3), (16, 8)])
+@pytest.mark.parametrize("workers", [8, 132])
+def test_plan_of_one_q_len_covers_every_visible_key_once(rng, heads, q_len, workers):
+    """Requests of one q_len over several tiles (MTP at 64+ heads, or 8 tokens at 16): a ragged batch's
+    requests are packed with their tiles as one, cut at the same keys."""
+    for _ in range(20):
+        r = int(rng.integers(1, 12))
+        kv = q_len + rng.integers(0, 2000, r)
+        qo = np.where(rng.random(r) < 0.1, 0, q_len)
+        plan = plan_mla(qo, kv, num_heads=heads, page_size=16,
+                        target=PlanTarget(num_workers=workers, min_chunk=32, chunk_align=16))
+        check_plan(plan, kv)
+
+
 def test_plan_reuse_for_n_steps_and_longer_device_lengths(rng):
     kv = rng.integers(1, 3000, 5)
     n = 8
@@ -304,7 +318,11 @@ def test_native_planner_makes_the_numpy_plan(data):
     short = data.draw(st.booleans(), label="short contexts")
     kv = np.array(data.draw(st.lists(st.integers(0, 300 if short else 200_000), min_size=n, max_size=n)),
                   np.int64)
-    qo = np.array([data.draw(st.integers(0, min(int(k), 20))) for k in kv], np.int64)
+    if data.draw(st.booleans(), label="one q_len (MTP: requests of as many tiles, packed as one)"):
+        q = data.draw(st.integers(1, 8))
+        qo = np.where(kv >= q, q, 0).astype(np.int64)
+    else:
+        qo = np.array([data.draw(st.integers(0, min(int(k), 20))) for k in kv], np.int64)
     kw = dict(num_heads=data.draw(st.integers(1, 300), label="heads"),
               page_size=data.draw(st.sampled_from(P.SUPPORTED_PAGE_SIZES)),
               target=PlanTarget(num_workers=data.draw(st.integers(1, 264)),

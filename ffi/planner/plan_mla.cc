@@ -257,22 +257,27 @@ Plan plan_mla(const PlanRequest& in) {
     // A request's tiles packed as one where each request has `group` > 1 of them (planner.py): its last
     // tile, which sees the most keys, cut onto slots / group workers.
     if (!(group > 1 && (group - 1) * q_tile < in.min_chunk && slots / group > n_t / group)) group = 1;
-    Tiles last_tiles;
-    int64_t last_sum = 0;
-    for (int64_t i = group - 1; i < n_t; i += group) {
-      last_tiles.push_back(t[i]);
-      last_sum += t[i].kv;
+    Tiles last_tiles;  // (group 1: the tiles themselves, not copied)
+    int64_t last_sum = kv_sum;
+    if (group > 1) {
+      last_sum = 0;
+      for (int64_t i = group - 1; i < n_t; i += group) {
+        last_tiles.push_back(t[i]);
+        last_sum += t[i].kv;
+      }
     }
+    const Tiles& pack_tiles = group > 1 ? last_tiles : t;
     const int64_t pack_slots = slots / group;
     int64_t least_units = 0;
     if (most - ovh >= align) {
-      for (const Tile& x : last_tiles) least_units += std::max<int64_t>(1, ceil_div(x.kv, most - ovh));
+      for (const Tile& x : pack_tiles) least_units += std::max<int64_t>(1, ceil_div(x.kv, most - ovh));
     }
     int64_t span_b = 0;
     std::vector<PackUnit> group_units;
     if (most - ovh >= align && last_sum + least_units * ovh <= pack_slots * most &&
-        pack(last_tiles, pack_slots, ovh, align, in.min_chunk, most, group_units, span_b)) {
+        pack(pack_tiles, pack_slots, ovh, align, in.min_chunk, most, group_units, span_b)) {
       // Each of a group's units once for each of its tiles, side by side: tile i on worker w * group + i.
+      if (group == 1) packed.swap(group_units);
       for (const PackUnit& u : group_units) {
         for (int64_t i = 0; i < group; ++i) {
           packed.push_back({u.tile * group + i, u.start, u.len, u.t0, u.worker * group + i, u.part});

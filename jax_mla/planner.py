@@ -503,6 +503,9 @@ def plan_mla_numpy(
     # q_tile keys fewer than its last, less than a cut piece (min_chunk), so each of its units but the
     # last (open-ended) ends within its own tile.
     packed = None
+    # The keys a tile's causal mask hides from it, where its request has at most one key block (align) of
+    # query tokens: the longest-first order ranks such a request's tiles as one (see "Longest first").
+    hidden = np.where(qo[tile_req] <= align, tile_eoff - tile_qlen, 0)
     if chunk:  # equal parts of each tile, aligned
         n_split = np.maximum(1, -(-tile_kv // chunk))
         tile_chunk = np.maximum(-(-(-(-tile_kv // n_split)) // align) * align, align)
@@ -550,7 +553,7 @@ def plan_mla_numpy(
         w[W_QEND_OFFSET, :n_t] = tile_eoff
         w[W_KV_END, :n_t] = KV_END_OPEN
         w[W_PARTIAL_ROW, :n_t] = -1
-        u_cost = tile_kv + (tile_eoff - tile_qlen)  # the request's keys: see "Longest first" below
+        u_cost = tile_kv + hidden  # see "Longest first" below
     else:
         unit_tile = np.repeat(np.arange(n_t), n_split)
         unit_j = np.arange(unit_tile.size) - (np.cumsum(n_split) - n_split)[unit_tile]
@@ -559,16 +562,17 @@ def plan_mla_numpy(
         n_units, n_rows = _write_split_units(w, merge.T, n_split, unit_tile, unit_j, kv_start, u_chunk, tile_req,
                                              tile_qstart, tile_qlen, tile_eoff)
         u_cost = np.where(unit_j == n_split[unit_tile] - 1,
-                          tile_kv[unit_tile] - kv_start + (tile_eoff - tile_qlen)[unit_tile], u_chunk)
+                          tile_kv[unit_tile] - kv_start + hidden[unit_tile], u_chunk)
         assert n_rows <= n_partial, "partial-row bucket overflow"
     if packed is None:
-        # Longest first: blocks are dispatched in order, so big units must not trail. A tile's last unit
-        # is ranked by the keys its request's last token sees there, not its own token's: the tiles of
-        # one request (q_len > q_tile, e.g. q_len 2 at 64-128 heads) then tie, and the stable sort keeps
-        # them neighbours, so their blocks run together and read the request's keys from HBM once. Ranked
-        # by their own keys (one fewer per earlier token) every request's first tiles went to one wave
-        # and its last tiles to the next, and each wave read all keys (ffi/cuda/NOTES.md, "forty-second
-        # session").
+        # Longest first: blocks are dispatched in order, so big units must not trail. Where a request has
+        # several tiles but at most one key block of query tokens (q_len 2-64 at 64-128 heads: MTP, spec
+        # verify), a tile's last unit is ranked by the keys its request's last token sees there, not its
+        # own token's: the request's tiles then tie, and the stable sort keeps them neighbours, so their
+        # blocks run together and read the request's keys from HBM once. Ranked by their own keys (one
+        # fewer per earlier token) every request's first tiles went to one wave and its last tiles to the
+        # next, and each wave read all keys (ffi/cuda/NOTES.md, "forty-second session"). A longer extend
+        # keeps its own ranks: its tiles' keys differ by more than a block, and its shortest go last.
         work[:n_units] = work[np.argsort(-u_cost, kind="stable")]
         # Their workers (a walk's blocks, plan_layout.h): dealt to the slots back and forth (round k
         # forwards when k is even, backwards when odd), so that the longest of a round goes with the

@@ -192,6 +192,20 @@ def test_tiles_of_one_request_stay_neighbours(planner, q_len, kind):
 
 
 @pytest.mark.parametrize("planner", ["native", "numpy"])
+def test_a_long_extend_keeps_its_tiles_longest_first(planner):
+    """An extend of 300 tokens at 128 heads is 300 tiles whose keys differ by up to 299: ranked as one (by
+    the request's keys) its shortest tiles would go first and its longest last. Only requests of at most
+    one key block of tokens (MTP, spec verify) are ranked as one; here every unit is longest first, the
+    two decode requests among the extend's tiles."""
+    kv = np.array([4000, 3900, 3800])
+    plan_fn = plan_mla if planner == "native" else P.plan_mla_numpy
+    plan = plan_fn(np.array([300, 1, 1]), kv, num_heads=128, page_size=64, target=PlanTarget(num_workers=132))
+    check_plan(plan, kv)
+    keys = unit_keys(plan, kv)
+    assert len(keys) == 302 and (np.diff(keys) <= 0).all(), keys
+
+
+@pytest.mark.parametrize("planner", ["native", "numpy"])
 def test_ragged_batch_is_packed_onto_workers(planner):
     """Lengths U[1000, 8192] at 128 heads: equal parts per request leave the longest part ~1.3x the
     mean; packed, the workers finish within a few percent of one another when units start in order."""

@@ -299,9 +299,11 @@ Plan plan_mla(const PlanRequest& in) {
 
   // ---- units, each with its sort key: the longest-first order, or the packed plan's start on its worker.
   std::vector<WorkRow> units;
-  // Sort keys: INT32_MAX - cost (ascending keys = descending costs). A tile's last unit is ranked by the
-  // keys its request's last token sees there, so that the tiles of one request tie and stay neighbours
+  // Sort keys: INT32_MAX - cost (ascending keys = descending costs). Where a request has at most one key
+  // block (align) of query tokens, a tile's last unit is ranked by the keys its request's last token sees
+  // there (its own + those its mask hides), so that the request's tiles tie and stay neighbours
   // (planner.py: "Longest first").
+  auto hidden = [&](const Tile& x) { return qo[x.req] <= align ? x.eoff - x.qlen : 0; };
   std::vector<uint32_t> order;
   units.reserve(chunk == 0 && !take_pack ? n_t : n_work);
   order.reserve(units.capacity());
@@ -337,7 +339,7 @@ Plan plan_mla(const PlanRequest& in) {
       order.push_back((uint32_t)std::min(u.t0, kInt32Max));
     }
   } else if (chunk == 0) {
-    for (const Tile& x : t) add_unit(x, 0, kKvEndOpen, -1, x.kv + x.eoff - x.qlen);
+    for (const Tile& x : t) add_unit(x, 0, kKvEndOpen, -1, x.kv + hidden(x));
   } else {
     int64_t part_base = 0, n_merges = 0;
     for (const Tile& x : t) {
@@ -347,7 +349,7 @@ Plan plan_mla(const PlanRequest& in) {
         const int64_t kv_start = j * tile_chunk;
         const bool last = j == n_split - 1;
         add_unit(x, kv_start, last ? kKvEndOpen : kv_start + tile_chunk, n_split > 1 ? part_base + j * x.qlen : -1,
-                 last ? x.kv - kv_start + x.eoff - x.qlen : tile_chunk);
+                 last ? x.kv - kv_start + hidden(x) : tile_chunk);
       }
       if (n_split > 1) {
         if (n_merges >= n_merge) throw std::logic_error("jax_mla planner: merge bucket overflow");

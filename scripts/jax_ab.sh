@@ -45,7 +45,7 @@ for v in $VARIANTS; do
       -*) flags="$flags $it" ;;
       src=*) src=${it#src=} ;;
       *=*) envs+=("$it") ;;
-      *) echo "variant $name: '$it' is neither NAME=VALUE nor an nvcc flag"; exit 2 ;;
+      *) echo "variant $name: '$it' is neither NAME=VALUE, src=DIR nor an nvcc flag"; exit 2 ;;
     esac
   done
   ( env "${envs[@]}" CUDAFLAGS="${CUDAFLAGS:-}$flags" CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-8} \

@@ -428,6 +428,7 @@ def plan_mla_numpy(
     # (The NumPy here is counted in microseconds: it runs before every step. The
     # common decode / verify case, one tile per request, skips the general path.)
     group = 1  # tiles a request has, where every request with queries has that many (below: packing)
+    hidden = 0  # keys a tile's causal mask hides from it, where ranked as its request (below: "Longest first")
     if max_q <= q_tile:
         if num_req and qo.min() > 0:
             tile_req, tile_qlen, tile_kv = np.arange(num_req), qo, kv
@@ -448,7 +449,9 @@ def plan_mla_numpy(
         tile_qstart = qo_end[tile_req] - qo[tile_req] + tile_off
         tile_eoff = qo[tile_req] - tile_off
         # Keys the tile's last token sees (causal, aligned to the end).
-        tile_kv = kv[tile_req] - (tile_eoff - tile_qlen)
+        behind = tile_eoff - tile_qlen  # the request's tokens after the tile's
+        tile_kv = kv[tile_req] - behind
+        hidden = behind if max_q <= target.chunk_align else np.where(qo[tile_req] <= target.chunk_align, behind, 0)
     n_t = tile_req.size
 
     # ---- split sizes ---------------------------------------------------------
@@ -503,9 +506,6 @@ def plan_mla_numpy(
     # q_tile keys fewer than its last, less than a cut piece (min_chunk), so each of its units but the
     # last (open-ended) ends within its own tile.
     packed = None
-    # The keys a tile's causal mask hides from it, where its request has at most one key block (align) of
-    # query tokens: the longest-first order ranks such a request's tiles as one (see "Longest first").
-    hidden = np.where(qo[tile_req] <= align, tile_eoff - tile_qlen, 0)
     if chunk:  # equal parts of each tile, aligned
         n_split = np.maximum(1, -(-tile_kv // chunk))
         tile_chunk = np.maximum(-(-(-(-tile_kv // n_split)) // align) * align, align)
@@ -523,16 +523,9 @@ def plan_mla_numpy(
             if int(pack_kv.sum()) + least_units * ovh <= pack_slots * most:
                 packed = _pack(pack_kv.tolist(), pack_slots, ovh, align, target.min_chunk, most)
     if packed is not None:
-        (g_tile, g_start, g_len, g_t0, g_w), span_b = packed
-        g_tile = np.asarray(g_tile, np.int64)
-        first = np.r_[True, g_tile[1:] != g_tile[:-1]]  # a group's units are consecutive
-        g_j = np.arange(g_tile.size) - np.flatnonzero(first)[np.cumsum(first) - 1]
-        # Each of a group's units once for each of its tiles, side by side: tile i on worker g_w * group + i.
-        i = np.arange(group)
-        u_tile = np.add.outer(g_tile * group, i).ravel()
-        u_w = np.add.outer(np.asarray(g_w, np.int64) * group, i).ravel()
-        u_start, u_len, u_t0, unit_j = (np.repeat(np.asarray(x, np.int64), group)
-                                        for x in (g_start, g_len, g_t0, g_j))
+        units_b, span_b = packed
+        g_tile = np.asarray(units_b[0], np.int64)  # the tiles packed: each group's last (group 1: every tile)
+        u_tile = g_tile if group == 1 else np.add.outer(g_tile * group, np.arange(group)).ravel()
         n_split_b = np.bincount(u_tile, minlength=n_t)
         split_b = n_split_b > 1
         if not (33 * span_b < 32 * (longest_a + ovh) and len(u_tile) <= n_work
@@ -540,6 +533,12 @@ def plan_mla_numpy(
             packed = None
 
     if packed is not None:
+        first = np.r_[True, g_tile[1:] != g_tile[:-1]]  # a tile's (group's) units are consecutive
+        unit_j = np.arange(g_tile.size) - np.flatnonzero(first)[np.cumsum(first) - 1]
+        u_start, u_len, u_t0, u_w = (np.asarray(x, np.int64) for x in units_b[1:])
+        if group > 1:  # each of a group's units once for each of its tiles, side by side: tile i on worker w*g+i
+            u_w = np.add.outer(u_w * group, np.arange(group)).ravel()
+            u_start, u_len, u_t0, unit_j = (np.repeat(x, group) for x in (u_start, u_len, u_t0, unit_j))
         n_units, _ = _write_split_units(w, merge.T, n_split_b, u_tile, unit_j, u_start, u_len, tile_req,
                                         tile_qstart, tile_qlen, tile_eoff)
         w[W_WORKER, :n_units] = u_w
@@ -562,7 +561,7 @@ def plan_mla_numpy(
         n_units, n_rows = _write_split_units(w, merge.T, n_split, unit_tile, unit_j, kv_start, u_chunk, tile_req,
                                              tile_qstart, tile_qlen, tile_eoff)
         u_cost = np.where(unit_j == n_split[unit_tile] - 1,
-                          tile_kv[unit_tile] - kv_start + hidden[unit_tile], u_chunk)
+                          (tile_kv + hidden)[unit_tile] - kv_start, u_chunk)
         assert n_rows <= n_partial, "partial-row bucket overflow"
     if packed is None:
         # Longest first: blocks are dispatched in order, so big units must not trail. Where a request has

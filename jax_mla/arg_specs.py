@@ -315,6 +315,11 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # (after it) the gathers of four keys' lines on pages of 4 keys (no box fits): 48 heads (a partial
     # 64-row tile), causal q_len 3 and 2, page ids outside the cache, split, a range of 2 keys
     ArgSpec(48, 4, (1, 3, 2), (1000, 37, 2), bad_pages=True, split=True, tags=_tags("small", "sweep")),
+    # (after it) more cp.async gathers (pages under 8 keys): 128 heads on pages of one key, causal q_len 2,
+    # long unsplit ranges of odd block counts (many turns of each buffer's barriers), a bad page mid-range;
+    # 16 heads x 2-4 tokens (32-64 rows) on pages of 2 keys, fp16, split, a partial last block
+    ArgSpec(128, 1, (2, 1), (1413, 333), bad_pages=True, whole=True, tags=_tags("small", "sweep")),
+    ArgSpec(16, 2, (2, 4, 1), (700, 129, 300), dtype="float16", split=True, tags=_tags("small", "sweep")),
 )
 
 

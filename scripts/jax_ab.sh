@@ -57,11 +57,17 @@ wait $(jobs -p)
 el built
 ok=()
 for name in "${names[@]}"; do
-  if ( cd /tmp && PYTHONPATH="$W/$name" python3 -c "import jax_mla; print('$name:', jax_mla.__file__); \
-      print('\n'.join(jax_mla.build_info()['cuda']['bodies']))" ) > "$W/bodies_$name.txt" 2>&1; then
+  # The variant's own build, or nothing: an editable install of jax_mla (`gpu_check.sh build`, `pip install -e`)
+  # puts an import hook ahead of PYTHONPATH, and then every variant runs that one build (a forty-third session
+  # A/B compared a build with itself so).
+  if ( cd /tmp && PYTHONPATH="$W/$name" python3 -c "import jax_mla, sys; print('$name:', jax_mla.__file__); \
+      print('\n'.join(jax_mla.build_info()['cuda']['bodies'])); \
+      sys.exit(0 if jax_mla.__file__.startswith('$W/$name/') else 'imports jax_mla from ' + jax_mla.__file__ + \
+               ', not from $W/$name (an editable install shadows PYTHONPATH: pip uninstall jax_mla first)')" ) \
+      > "$W/bodies_$name.txt" 2>&1; then
     ok+=("$name")
   else
-    echo "variant $name: not importable"; tail -5 "$W/build_$name.log"
+    echo "variant $name: not importable from its build"; tail -2 "$W/bodies_$name.txt"; tail -5 "$W/build_$name.log"
   fi
 done
 for r in $(seq 1 "$ROUNDS"); do

@@ -256,14 +256,30 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
           // cp.async instance's code is the one measured without the boxes' branch (NOTES.md,
           // "twenty-fifth session").
           if constexpr (kCache == kCacheAsQuery) {
+            // Above 16 heads the units are wide (but a last head block of 16 heads or fewer, at 65-80 heads),
+            // and a third warpgroup gathers their blocks (kProducer: 384 threads), so that the consumers' trips
+            // carry no gathers: through JAX 0.8-4.2% faster at 40-128 heads on pages of 1 and 16 keys. With 16
+            // heads or fewer a launch may hold narrow units, which ran 2.5% slower in the 384-thread instance
+            // (8 x 8192 h16 on pages of 16), so the consumers gather there (NOTES.md, "forty-third session").
+            // -DJAX_MLA_GATHER_NO_PRODUCER: never (an A/B switch).
+#ifdef JAX_MLA_GATHER_NO_PRODUCER
+            const bool producer = false;
+#else
+            const bool producer = p.num_heads > 16;
+#endif
 #ifndef JAX_MLA_GATHER_NO_BOXES  // (an A/B switch: pages of 8-16 keys gathered by cp.async, as before)
             if (p.page_size >= Wide64Sm90::MIN_PAGE_BOX && p.page_size < WideSm90::BK) {
-              return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true, true>>(
-                  blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream, p, key_tensor_maps<T, kCache>(p, p.page_size));
+              const KeyTensorMaps box_maps = key_tensor_maps<T, kCache>(p, p.page_size);
+              return producer ? launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true, true, true>>(
+                                    blocks, sm90_kernel_threads<true, true>(), kSm90SmemBytes, stream, p, box_maps)
+                              : launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true, true>>(
+                                    blocks, sm90_kernel_threads<true>(), kSm90SmemBytes, stream, p, box_maps);
             }
 #endif
-            return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true>>(
-                blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream, p, maps);
+            return producer ? launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true, false, true>>(
+                                  blocks, sm90_kernel_threads<true, true>(), kSm90SmemBytes, stream, p, maps)
+                            : launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true>>(
+                                  blocks, sm90_kernel_threads<true>(), kSm90SmemBytes, stream, p, maps);
           }
 #endif
         }

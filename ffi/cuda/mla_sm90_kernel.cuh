@@ -4,7 +4,8 @@
 // size, an fp8 ckv with 64 heads or more on pages of 32+ keys, mla_launch.cuh) holds the
 // two-warpgroup body of 64-key blocks (mla_wide64_sm90.cuh), its blocks by TMA or, with kGather (a
 // 16-bit cache on pages of fewer than 32 keys), by cp.async, or with kPageBoxes too (pages of 8 or 16
-// keys) as TMA boxes of one page; the other (384 threads: an fp8 ckv below
+// keys) as TMA boxes of one page, issued by the consumers or, with kProducer (384 threads), by a third
+// warpgroup; the other (384 threads: an fp8 ckv below
 // 64 heads or on pages under 32 keys, an fp8 kpe) the producer / two-consumer body
 // (mla_wide_sm90.cuh). Each instance holds only its own wide body, so that ptxas makes of one what it
 // would alone. An fp8 kpe takes the portable wide body (mla_attention_kernel.cuh).
@@ -27,12 +28,14 @@ static_assert(kSm90SmemBytes <= 227 * 1024, "one block per SM must fit");
 // grid.x = W * head_blocks (head blocks of one unit are neighbours: the second
 // finds the keys in L2). 384 threads: the register cap of 168 at entry is what
 // lets the warpgroups move registers between them (setmaxnreg). The kWide64 instance has
-// no producer warpgroup: 256 threads, 255 registers each from the start.
-template <bool kWide64>
-constexpr int sm90_kernel_threads() { return kWide64 ? Wide64Sm90::kThreads : WideSm90::kThreads; }
+// no producer warpgroup: 256 threads, 255 registers each from the start; but where its blocks are
+// gathered (kGather: pages under 32 keys) a third warpgroup may gather them (kProducer: 384 threads).
+template <bool kWide64, bool kProducer = false>
+constexpr int sm90_kernel_threads() { return kWide64 && !kProducer ? Wide64Sm90::kThreads : WideSm90::kThreads; }
+static_assert(Wide64Sm90::kProducerThreads == WideSm90::kThreads, "one 384-thread launch bound");
 template <typename T, int kCache = kCacheAsQuery, bool kWide64 = false, bool kE4m3 = false, bool kGather = false,
-          bool kPageBoxes = false>
-__global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attention_sm90_kernel(const Problem p, const __grid_constant__ KeyTensorMaps maps) {
+          bool kPageBoxes = false, bool kProducer = false>
+__global__ void __launch_bounds__(sm90_kernel_threads<kWide64, kProducer>(), 1) mla_attention_sm90_kernel(const Problem p, const __grid_constant__ KeyTensorMaps maps) {
   extern __shared__ __align__(16) char smem[];  // aligned to 1024 below
   allow_dependent_launch();  // the merge kernel may be scheduled as blocks retire
   JAX_MLA_BLOCK_TRACE_SCOPE(0);
@@ -52,6 +55,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   static_assert(!kE4m3 || (kWide64 && kCache == kCacheFp8Ckv), "e4m3 products: the 64-key body, an fp8 ckv");
   static_assert(!kGather || (kWide64 && !kE4m3 && kCache == kCacheAsQuery), "gathered blocks: a 16-bit cache");
   static_assert(!kPageBoxes || kGather, "boxes of a page: the gathering instance's");
+  static_assert(!kProducer || kGather, "a producer warpgroup: the gathering instances'");
   // A unit start off a box boundary (32 or 64 keys) cannot take the 64-key body's TMA boxes; this
   // library's planner splits at multiples of 64, so only another plan would send one here: the
   // portable body. Gathered blocks start anywhere.
@@ -74,7 +78,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   // third hands them its registers (the bodies want more than the 168 a thread gets at entry) and
   // leaves, unless it is the fp8 narrow body's producer.
   if (rows <= 16 || portable) {
-    if constexpr (!kWide64) {
+    if constexpr (!kWide64 || kProducer) {
       if (!(kNarrowFp8Producer && rows <= 16)) {
         if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
           release_registers<24>();
@@ -101,7 +105,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64>(), 1) mla_attenti
   if constexpr (kWide64) {
     // The two-warpgroup body of 64-key blocks.
     finish_unit(p, u);
-    attend_unit_wide64<T, kCache, kE4m3, kGather, kPageBoxes>(p, maps, u, h0, hb, base);
+    attend_unit_wide64<T, kCache, kE4m3, kGather, kPageBoxes, kProducer>(p, maps, u, h0, hb, base);
   } else if constexpr (kWgmmaCache) {
     using W = WideSm90;
     constexpr bool kFp8 = kCache == kCacheFp8Ckv;

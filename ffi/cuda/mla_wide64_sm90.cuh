@@ -1,6 +1,7 @@
 // The wide body of 64-key blocks: two warpgroups, no producer (ffi/cuda/NOTES.md, "v8", "v8f", "fp8
 // on the 64-key body", "the 64-key body on small pages"), launched for a 16-bit cache at every head
-// count and page size (blocks by TMA on pages of 32+ keys, else gathered by cp.async: kGather) and for
+// count and page size (blocks by TMA on pages of 32+ keys, else gathered: kGather, as TMA boxes of one
+// page on pages of 8-16 keys, by cp.async from a third, producer warpgroup on smaller ones) and for
 // an fp8 ckv with a 16-bit kpe at 64 heads or more on pages of 32+ keys (mla_launch.cuh).
 // mla_wide_sm90.cuh's body (v5b) keeps the rest: an fp8 ckv below 64 heads or on smaller pages; an fp8
 // kpe, and a unit start off a box boundary in a TMA launch, take the portable body.
@@ -46,6 +47,9 @@ namespace cuda {
 
 struct Wide64Sm90 {
   static constexpr int kThreads = 256;  // two warpgroups
+  // Gathered blocks (kGather: cp.async on pages under 8 keys, boxes of one page on pages of 8-16) from a
+  // third warpgroup (kProducer: the consumers 232 registers a thread, the producer 40; mla_launch.cuh).
+  static constexpr int kProducerThreads = 384;
   static constexpr int ROWS = 64;
   static constexpr int BK = 64;                 // keys per block
   static constexpr int TILE = BK * 128;         // 64 keys x 64 dims, 128-byte swizzle
@@ -68,8 +72,9 @@ struct Wide64Sm90 {
   // mask of a buffer's next block is written while its readers may still read the current one.
   static constexpr int MASK_OFF = STATS_OFF + 4 * ROWS * 4;
   static constexpr int BAR_OFF = MASK_OFF + 4 * 4;
-  // full x buffer x tile; m_A, m_B, P_A, P_B ready; an fp8 cache's "half free" x buffer
-  static constexpr int NUM_BARS = 2 * TILES + 4 + 2;
+  // full x buffer x tile; m_A, m_B, P_A, P_B ready; an fp8 cache's "half free" x buffer; the gathering
+  // producer's "half empty" x buffer x half
+  static constexpr int NUM_BARS = 2 * TILES + 4 + 2 + 4;
   // Gathered blocks (kGather): u64 per buffer and use parity, bit k = key k is usable (a page id per
   // key on pages of one key, so the boxes' two bits do not serve).
   static constexpr int KEYMASK_OFF = BAR_OFF + NUM_BARS * 8;
@@ -92,6 +97,11 @@ struct Wide64Sm90 {
   // not occupy (wide64_convert_block), one phase per pair; 128 arrivals.
   static __device__ __forceinline__ uint32_t free_bar(uint32_t base, int buf) {
     return base + BAR_OFF + (2 * TILES + 4 + buf) * 8;
+  }
+  // Gathered blocks with a producer warpgroup (kProducer): half `half` of buffer `buf` (tiles 0-3, or
+  // 4-8 with the rope tile) is read by the warpgroup that read it last, one phase per use; 128 arrivals.
+  static __device__ __forceinline__ uint32_t empty_bar(uint32_t base, int buf, int half) {
+    return base + BAR_OFF + (2 * TILES + 4 + 2 + 2 * buf + half) * 8;
   }
   // The walk's query tile (mla_wide64_walk_sm90.cuh; 16-bit caches only): its TMA boxes complete on the
   // slot of an fp8 cache's free_bar(0), which a 16-bit cache does not use.
@@ -226,8 +236,9 @@ __device__ __forceinline__ void wide64_load_raw(const KeyTensorMaps& maps, uint3
 
 // ---- gathered blocks (kGather: a 16-bit cache on pages of fewer than 32 keys) ----
 // No TMA box fits in such a page, so each block comes by cp.async, 16 bytes a copy, into the same
-// tiles the boxes fill, issued by the warpgroup that would have issued the boxes (every thread
-// instead of one; the refill points and the order are the TMA path's). Warp w of the warpgroup takes
+// tiles the boxes fill, issued by a producer warpgroup (kProducer: wide64_gather_producer, at more than 16
+// heads) or by the warpgroup that would have issued the boxes (every thread instead of one; the refill
+// points and the order are the TMA path's). Warp w of the warpgroup takes
 // keys 16 w .. 16 w + 15 of the block, lane j < 16 holding key 16 w + j's page id. Half 0 (tiles 0-3:
 // dims 0-255) and half 1 (tiles 4-7: dims 256-511) are each 512 consecutive bytes of a key's row; a
 // warp instruction copies a 128-byte line of four keys (lane l: chunk l % 8 of key l / 8 of the four),
@@ -524,7 +535,7 @@ struct Wide64Walk {
 // unit's record, its first loads, the row copies' end); it returns the phases the unit leaves its barriers
 // in (a block of one unit ignores them).
 template <typename T, int kCache, int HALF, bool kGather = false, bool kPageBoxes = false, bool kWalk = false,
-          typename WalkHooks = void>
+          typename WalkHooks = void, bool kProducer = false>
 __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                  int hb, uint32_t base_in, Wide64Walk walk = {},
                                                  WalkHooks* hooks = nullptr) {
@@ -540,6 +551,11 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   // broadcast made WG1's loop worse (16 -> 105 R2URs), so it is not used there.
   const uint32_t base = kFp8 ? __shfl_sync(0xffffffffu, base_in, 0) : base_in;
   static_assert(!kGather || kCache == kCacheAsQuery, "gathered blocks: a 16-bit cache");
+  static_assert(!kProducer || kGather, "the producer warpgroup: gathered blocks");
+  // Whether this warpgroup issues refills: not where the producer warpgroup gathers (kProducer); the consumers
+  // then arrive on a half's empty barrier where they would have gathered it (`release`).
+  constexpr bool kIssues = !kProducer;
+  [[maybe_unused]] auto release = [&](int buf, int half) { mbar_arrive(W::empty_bar(base, buf, half)); };
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
 #ifdef JAX_MLA_TRACE  // (mla_common.cuh) row 0: the prologue and the epilogue; row 1 + n: pair n
@@ -577,7 +593,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       ahead_a = hooks->next.pages[2];
       ahead_b = hooks->next.pages[3];
     }
-  } else if (kGather || tid == 0) {
+  } else if (kIssues && (kGather || tid == 0)) {
     if (num_blocks > 0) first[0] = block_pages(0);
     if (num_blocks > 1) first[1] = block_pages(1);
     if (HALF == 0 && num_blocks > 2) ahead_a = block_pages(2);
@@ -599,7 +615,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
     cp_async_commit();
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {
-      if (blk >= num_blocks) break;
+      if (!kIssues || blk >= num_blocks) break;
       wide64_gather_half<HALF, kPageBoxes>(p, maps, u, base, blk, blk, first[blk], tid);  // warpgroup w gathers half w
     }
   } else if (tid == 0 && kFp8) {  // block HALF whole: mask, raw latent, rope
@@ -730,7 +746,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
     // session"). WG1 waits for m_A here anyway. Their rows are made where the refills need them
     // (made here, the thread waited ~300 cycles for the page table: NOTES.md, "third session").
     Wide64Pages pages_a = ahead_a, pages_b = ahead_b;
-    if (HALF == 1 && (kGather || tid == 0)) {
+    if (kIssues && HALF == 1 && (kGather || tid == 0)) {
       if (next_a) pages_a = block_pages(blk_a + 2);
       if (next_b) pages_b = block_pages(blk_b + 2);
     }
@@ -766,7 +782,9 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       fence_registers(o);
       fence_fragments(pa);
       JAX_MLA_TRACE_AT(pair + 1, 3);
-      if constexpr (kGather) {  // block A's tiles 0-3 are read: block A + 2's go in
+      if constexpr (kProducer) {  // block A's tiles 0-3 are read: block A + 2's may go in
+        if (next_a) release(0, 0);
+      } else if constexpr (kGather) {  // block A's tiles 0-3 are read: block A + 2's go in
         if (next_a) wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 0, blk_a + 2, pages_a, tid);
       } else if (tid == 0 && next_a) {  // block A's tiles 0-3 are read: block A + 2's go in (fp8: its raw latent)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
@@ -809,7 +827,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       wgmma_fence();
       wide64_pv_shared_p<MT, 0>(o, base + W::P1_OFF, has_b ? kb1 : kb0);
       wgmma_commit();
-      if (kGather || tid == 0) {  // the next pair's refill ids, while the S below waits for its tiles
+      if (kIssues && (kGather || tid == 0)) {  // the next pair's refill ids, while the S below waits for its tiles
         if (blk_a + 4 < num_blocks) ahead_a = block_pages(blk_a + 4);
         if (blk_b + 4 < num_blocks) ahead_b = block_pages(blk_b + 4);
       }
@@ -840,7 +858,9 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
         fence_registers(o);
         JAX_MLA_TRACE_AT(pair + 1, 9);
         // Block B's tiles 0-3 are read (WG1's S before its signal, our PV now).
-        if constexpr (kGather) {
+        if constexpr (kProducer) {
+          if (next_b) release(1, 0);
+        } else if constexpr (kGather) {
           if (next_b) wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 1, blk_b + 2, pages_b, tid);
         } else if (tid == 0 && next_b) {
           const Wide64Rows b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);
@@ -903,7 +923,9 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       wgmma_wait<1>();
       fence_fragments(pb);
       JAX_MLA_TRACE_AT(pair + 1, 6);
-      if constexpr (kGather) {  // block B's tiles 4-8 are read
+      if constexpr (kProducer) {  // block B's tiles 4-8 are read
+        if (next_b) release(1, 1);
+      } else if constexpr (kGather) {  // block B's tiles 4-8 are read
         if (next_b) wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 1, blk_b + 2, pages_b, tid);
       } else if (tid == 0 && next_b) {  // block B's tiles 4-8 are read (fp8: block B + 2 whole goes in)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_b + 2, pages_b);
@@ -920,7 +942,9 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
         if (next_a) mbar_arrive(W::free_bar(base, 0));
       }
       JAX_MLA_TRACE_AT(pair + 1, 8);
-      if constexpr (kGather) {  // block A's tiles 4-8 are read
+      if constexpr (kProducer) {  // block A's tiles 4-8 are read
+        if (next_a) release(0, 1);
+      } else if constexpr (kGather) {  // block A's tiles 4-8 are read
         if (next_a) wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 0, blk_a + 2, pages_a, tid);
       } else if (tid == 0 && next_a) {  // block A's tiles 4-8 are read (fp8: its rope tile; the raw latent is in)
         wide64_load_tiles<kFp8 ? 8 : 4, 9>(maps, base, 0, wide64_block_rows(p, maps, u, blk_a + 2, pages_a));
@@ -986,12 +1010,65 @@ template <typename T, int HALF>
 __device__ __forceinline__ void wide64_warpgroup_e4m3(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                       int hb, uint32_t base);
 
-// The body: barriers, then the two warpgroups (threads 0-255; the caller has sent the rest away).
+// The producer warpgroup of gathered blocks (kProducer; threads 256-383): every block of the unit, each
+// half (wide64_gather_half) once the warpgroup that read it last in the block two before has released it
+// (empty_bar). The halves go in the order the consumers free them and first need them: blocks 0 and 1 whole,
+// then a pair's A + 2 half 0 (WG0 frees it after P_A V_A), B + 2 half 1 (WG1, after P_B V_B), A + 2 half 1 (WG1,
+// after P_A V_A), B + 2 half 0 (WG0, after P_B V_B). Each half's copies arrive on its tiles' barriers as the
+// consumers' gathers did (128 arrivals a tile, 132 on tile 0 with the key mask). The page ids of a pair are read
+// a pair ahead, while the producer waits.
+template <bool kPageBoxes>
+__device__ __forceinline__ void wide64_gather_producer(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
+                                                       uint32_t base) {
+  using W = Wide64Sm90;
+  const int tid = threadIdx.x - W::kThreads;
+  const int num_blocks = __shfl_sync(0xffffffffu, (u.range_end - u.kv_begin + W::BK - 1) / W::BK, 0);
+  auto pages = [&](int blk) { return blk < num_blocks ? wide64_key_page(p, u, blk, tid) : Wide64Pages{}; };
+  Wide64Pages ga = pages(0), gb = pages(1);
+  Wide64Pages na = pages(2), nb = pages(3);
+  if (num_blocks > 0) {
+    wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 0, 0, ga, tid);
+    wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 0, 0, ga, tid);
+  }
+  if (num_blocks > 1) {
+    wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 1, 1, gb, tid);
+    wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 1, 1, gb, tid);
+  }
+#pragma unroll 1
+  for (int a = 2; a < num_blocks; a += 2) {
+    const int b = a + 1;
+    const bool has_b = b < num_blocks;
+    // Blocks a and b replace blocks a - 2 and b - 2: the (a / 2 - 1)-th release of each half.
+    const int parity = ((a >> 1) - 1) & 1;
+    ga = na;
+    gb = nb;
+    na = pages(a + 2);
+    nb = pages(b + 2);
+    mbar_wait(W::empty_bar(base, 0, 0), parity);
+    wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 0, a, ga, tid);
+    if (has_b) {
+      mbar_wait(W::empty_bar(base, 1, 1), parity);
+      wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 1, b, gb, tid);
+    }
+    mbar_wait(W::empty_bar(base, 0, 1), parity);
+    wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 0, a, ga, tid);
+    if (has_b) {
+      mbar_wait(W::empty_bar(base, 1, 0), parity);
+      wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 1, b, gb, tid);
+    }
+  }
+  cp_async_wait_all();  // leave nothing in flight behind an exited thread
+}
+
+// The body: barriers, then the two warpgroups (threads 0-255; the caller has sent the rest away, but for
+// the producer warpgroup of kProducer: threads 256-383).
 // kE4m3: an fp8 ckv's units multiply on e4m3 (Problem::fp8_products; its own kernel instance).
-template <typename T, int kCache, bool kE4m3 = false, bool kGather = false, bool kPageBoxes = false>
+template <typename T, int kCache, bool kE4m3 = false, bool kGather = false, bool kPageBoxes = false,
+          bool kProducer = false>
 __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                    int hb, uint32_t base) {
   using W = Wide64Sm90;
+  static_assert(!kProducer || kGather, "the producer warpgroup: gathered blocks");
   if (threadIdx.x == 0) {
     // A tile's fill: one arrival with its bytes (TMA), or each gathering thread's when its copies land
     // (kGather; tile 0 also one from each warp that wrote mask bits).
@@ -1001,9 +1078,23 @@ __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTe
     if constexpr (kCache == kCacheFp8Ckv) {
       for (int b = 0; b < 2; ++b) mbar_init(W::free_bar(base, b), 128);
     }
+    if constexpr (kProducer) {
+      for (int b = 0; b < 2; ++b)
+        for (int h = 0; h < 2; ++h) mbar_init(W::empty_bar(base, b, h), 128);
+    }
     mbar_init_fence();
   }
-  named_barrier_sync(W::kBoth, W::kThreads);
+  if constexpr (kProducer) {
+    __syncthreads();  // all three warpgroups
+    if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
+      release_registers<40>();
+      wide64_gather_producer<kPageBoxes>(p, maps, u, base);
+      return;
+    }
+    claim_registers<232>();
+  } else {
+    named_barrier_sync(W::kBoth, W::kThreads);
+  }
   if constexpr (kE4m3) {
     static_assert(kCache == kCacheFp8Ckv, "the e4m3 body reads an fp8 ckv");
     if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 0) {
@@ -1014,9 +1105,9 @@ __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTe
     return;
   }
   if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 0) {
-    wide64_warpgroup<T, kCache, 0, kGather, kPageBoxes>(p, maps, u, h0, hb, base);
+    wide64_warpgroup<T, kCache, 0, kGather, kPageBoxes, false, void, kProducer>(p, maps, u, h0, hb, base);
   } else {
-    wide64_warpgroup<T, kCache, 1, kGather, kPageBoxes>(p, maps, u, h0, hb, base);
+    wide64_warpgroup<T, kCache, 1, kGather, kPageBoxes, false, void, kProducer>(p, maps, u, h0, hb, base);
   }
 }
 

@@ -43,7 +43,8 @@ nb::dict build_info() {
       bodies.append("wgmma warp-specialised sm_90a kernel (compute capability 9.0)");
       // Units of more than 16 rows on a 16-bit cache, every page size.
       bodies.append("16-bit wide units: 64-key body, blocks by TMA on pages of 32+ keys, as TMA boxes of a page "
-                    "on pages of 8-16 keys, gathered by cp.async on smaller pages (sm_90a)");
+                    "on pages of 8-16 keys, gathered by cp.async on smaller pages; those gathers issued by a "
+                    "producer warpgroup above 16 heads (sm_90a)");
       // The walk (ffi/cuda/mla_wide64_walk_sm90.cuh; CMake option JAX_MLA_WIDE64_WALK=ON, an A/B build).
       bodies.append(JAX_MLA_CUDA_WIDE64_WALK
                         ? "16-bit wide units at a multiple of 64 heads on pages of 32+ keys: the 64-key body's walk, "

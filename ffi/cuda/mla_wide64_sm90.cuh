@@ -1,7 +1,8 @@
 // The wide body of 64-key blocks: two warpgroups, no producer (ffi/cuda/NOTES.md, "v8", "v8f", "fp8
 // on the 64-key body", "the 64-key body on small pages"), launched for a 16-bit cache at every head
-// count and page size (blocks by TMA on pages of 32+ keys, else gathered: kGather, as TMA boxes of one
-// page on pages of 8-16 keys, by cp.async from a third, producer warpgroup on smaller ones) and for
+// count and page size (blocks by TMA on pages of 32+ keys, else gathered, kGather: as TMA boxes of one
+// page on pages of 8-16 keys, by cp.async on smaller ones, issued above 16 heads by a third, producer
+// warpgroup, kProducer) and for
 // an fp8 ckv with a 16-bit kpe at 64 heads or more on pages of 32+ keys (mla_launch.cuh).
 // mla_wide_sm90.cuh's body (v5b) keeps the rest: an fp8 ckv below 64 heads or on smaller pages; an fp8
 // kpe, and a unit start off a box boundary in a TMA launch, take the portable body.
@@ -99,7 +100,7 @@ struct Wide64Sm90 {
     return base + BAR_OFF + (2 * TILES + 4 + buf) * 8;
   }
   // Gathered blocks with a producer warpgroup (kProducer): half `half` of buffer `buf` (tiles 0-3, or
-  // 4-8 with the rope tile) is read by the warpgroup that read it last, one phase per use; 128 arrivals.
+  // 4-8 with the rope tile) has been read by the warpgroup that reads it last, one phase per use; 128 arrivals.
   static __device__ __forceinline__ uint32_t empty_bar(uint32_t base, int buf, int half) {
     return base + BAR_OFF + (2 * TILES + 4 + 2 + 2 * buf + half) * 8;
   }

@@ -174,6 +174,17 @@ inline QueryTensorMaps query_tensor_maps(const Problem& p) {
   return maps;
 }
 
+// A gathering instance of the 64-key body (kGather; kPageBoxes: boxes of one page), with or without its
+// producer warpgroup: the instance and its thread count chosen together.
+template <typename T, int kCache, bool kPageBoxes>
+inline cudaError_t launch_gathered(bool producer, int blocks, cudaStream_t stream, const Problem& p,
+                                   const KeyTensorMaps& maps) {
+  return producer ? launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true, kPageBoxes, true>>(
+                        blocks, sm90_kernel_threads<true, true>(), kSm90SmemBytes, stream, p, maps)
+                  : launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true, kPageBoxes>>(
+                        blocks, sm90_kernel_threads<true>(), kSm90SmemBytes, stream, p, maps);
+}
+
 // The attention kernel: one block per work unit and head block. kCache: how the
 // cache is stored (mla_fp8.cuh; fp8 only with bf16 / fp16 queries).
 template <typename T, int kCache = kCacheAsQuery>
@@ -269,17 +280,11 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
 #endif
 #ifndef JAX_MLA_GATHER_NO_BOXES  // (an A/B switch: pages of 8-16 keys gathered by cp.async, as before)
             if (p.page_size >= Wide64Sm90::MIN_PAGE_BOX && p.page_size < WideSm90::BK) {
-              const KeyTensorMaps box_maps = key_tensor_maps<T, kCache>(p, p.page_size);
-              return producer ? launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true, true, true>>(
-                                    blocks, sm90_kernel_threads<true, true>(), kSm90SmemBytes, stream, p, box_maps)
-                              : launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true, true>>(
-                                    blocks, sm90_kernel_threads<true>(), kSm90SmemBytes, stream, p, box_maps);
+              return launch_gathered<T, kCache, true>(producer, blocks, stream, p,
+                                                      key_tensor_maps<T, kCache>(p, p.page_size));
             }
 #endif
-            return producer ? launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true, false, true>>(
-                                  blocks, sm90_kernel_threads<true, true>(), kSm90SmemBytes, stream, p, maps)
-                            : launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, true>>(
-                                  blocks, sm90_kernel_threads<true>(), kSm90SmemBytes, stream, p, maps);
+            return launch_gathered<T, kCache, false>(producer, blocks, stream, p, maps);
           }
 #endif
         }

@@ -31,8 +31,9 @@ static_assert(kSm90SmemBytes <= 227 * 1024, "one block per SM must fit");
 // no producer warpgroup: 256 threads, 255 registers each from the start; but where its blocks are
 // gathered (kGather: pages under 32 keys) a third warpgroup may gather them (kProducer: 384 threads).
 template <bool kWide64, bool kProducer = false>
-constexpr int sm90_kernel_threads() { return kWide64 && !kProducer ? Wide64Sm90::kThreads : WideSm90::kThreads; }
-static_assert(Wide64Sm90::kProducerThreads == WideSm90::kThreads, "one 384-thread launch bound");
+constexpr int sm90_kernel_threads() {
+  return !kWide64 ? WideSm90::kThreads : kProducer ? Wide64Sm90::kProducerThreads : Wide64Sm90::kThreads;
+}
 template <typename T, int kCache = kCacheAsQuery, bool kWide64 = false, bool kE4m3 = false, bool kGather = false,
           bool kPageBoxes = false, bool kProducer = false>
 __global__ void __launch_bounds__(sm90_kernel_threads<kWide64, kProducer>(), 1) mla_attention_sm90_kernel(const Problem p, const __grid_constant__ KeyTensorMaps maps) {

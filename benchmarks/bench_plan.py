@@ -38,6 +38,10 @@ def main():
         ("decode 8 x U(1,8192), 16 heads", np.ones(8, int), rng.integers(1, 8192, 8), 16),
         ("decode 512 x U(1,4096), 16 heads", np.ones(512, int), rng.integers(1, 4096, 512), 16),
         ("ragged 512 x q U(0,3) x U(3,4096), 64 heads", rng.integers(0, 4, 512), rng.integers(3, 4096, 512), 64),
+        # ragged batches packed onto the workers, a request's tiles as one (q_len 1 at 128 heads: one tile each)
+        ("packed 32 x U(500,16384), 128 heads", np.ones(32, int), rng.integers(500, 16385, 32), 128),
+        ("packed 32 x q2 x U(500,16384), 128 heads", np.full(32, 2), rng.integers(500, 16385, 32), 128),
+        ("packed 24 x q U(1,3) x U(500,16384), 128 heads", rng.integers(1, 4, 24), rng.integers(500, 16385, 24), 128),
     ]
     print("| case | plan_mla (native) median us | plan_mla_numpy median us |\n|---|---|---|")
     for name, qo, kv, heads in rows:

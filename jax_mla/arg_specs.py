@@ -192,6 +192,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # MTP at 128 heads on a ragged batch: two one-token tiles a request, fewer than the workers, so split
     # and packed (whether a request's two tiles read its keys together; forty-second session)
     ArgSpec(128, 64, 2, Uniform(500, 16384, 7), batch=32, tags=_tags("extra")),
+    # ... and with q_len 1-3 a request: requests of one, two and three tiles, packed as one each on lanes of
+    # their own width (forty-fourth session)
+    ArgSpec(128, 64, Uniform(1, 3), Uniform(500, 16384, 7), batch=24, tags=_tags("extra")),
     # wide units on pages under 32 keys (SGLang's FlashInfer MLA path runs on pages of one key): the
     # kernel cannot read these blocks by TMA
     ArgSpec(128, 1, 1, 4096, batch=128, tags=_tags("extra", "pages")),

@@ -308,53 +308,87 @@ def _check_scalars(num_heads, page_size, num_tokens, max_pages_per_request) -> N
         raise ValueError(f"max_pages_per_request={max_pages_per_request!r} must be an int in [0, 2**31)")
 
 
-def _pack_at(tile_kv: list, slots: int, span: int, ovh: int, align: int, min_piece: int):
-    """Tiles in order onto `slots` workers of `span` each (a unit costs its keys + ovh): a tile that
-    does not fit where the worker is is cut at a multiple of `align`, both parts >= min_piece, or goes
-    whole to the next worker; the last worker takes whatever is left. Returns the units (tile, first
-    key, keys, start on its worker, worker; in worker order) and each worker's load."""
-    u_tile, u_start, u_len, u_t0, u_w = [], [], [], [], []
+def _pack_groups_at(classes: list, slots: int, span: int, ovh: int, align: int, min_piece: int):
+    """Groups of tiles in order onto `slots` workers of `span` each (a unit costs its keys + ovh), each
+    group packed as one. classes: (g, the keys of its groups' last tiles, their first tiles), widest
+    first. A class's groups go in order onto lanes of g neighbouring workers: a group's last tile that
+    does not fit where the lane is is cut at a multiple of `align`, both parts >= min_piece, or goes
+    whole to the next lane; each of its units runs once for each of the group's tiles, tile i on the
+    lane's worker i; the class's last lane takes whatever is left. A narrower class goes on where the
+    wider left off: the lane it stopped in, the lanes it did not reach, and the workers too few for one
+    of its lanes, cut into lanes of its own width. Returns the units (tile, first key, keys, start on its
+    worker, worker, index in its tile; a lane's in order), whether each class's last lane held within
+    the span, and the makespan (the largest load)."""
+    segs = [(0, slots, 0)]  # (first worker, workers, load of each): the workers still open, in order
     loads = [0] * slots
-    w = used = 0
-    for t, kv in enumerate(tile_kv):
-        s = 0
-        while True:
-            r = kv - s
-            if used + r + ovh <= span or w == slots - 1:
-                take = r
+    units, fits = [], True
+    for g, kvs, firsts in classes:
+        lanes, rest = [], []
+        for f, n, u in segs:
+            lanes += [[f + k * g, u] for k in range(n // g)]
+            if n % g:
+                rest.append((f + n - n % g, n % g, u))
+        if not lanes:
+            return units, False, 0
+        li, end = 0, len(lanes) - 1
+        used = lanes[0][1]
+        for kv, first in zip(kvs, firsts):
+            s = j = 0
+            while True:
+                r = kv - s
+                if used + r + ovh <= span or li == end:
+                    take = r
+                else:
+                    # as much as fits, leaving at least min_piece of the tile for the next lane; an empty
+                    # lane takes the tile whole when it cannot be cut (-1: nothing here, next lane)
+                    piece = min((span - used - ovh) // align, (r - min_piece) // align) * align
+                    take = piece if piece >= min_piece else r if used == 0 else -1
+                if take >= 0:
+                    units += [(first + i, s, take, used, lanes[li][0] + i, j) for i in range(g)]
+                    s, j, used = s + take, j + 1, used + take + ovh
+                if s == kv:
+                    break
+                lanes[li][1] = used
+                li += 1
+                used = lanes[li][1]
+        lanes[li][1] = used
+        for f, u in lanes[: li + 1]:
+            loads[f : f + g] = [u] * g
+        fits = fits and lanes[end][1] <= span
+        segs = []  # the open workers in order, neighbours of one load as one
+        for f, n, u in sorted([(f, g, u) for f, u in lanes[li:]] + rest):
+            if segs and segs[-1][0] + segs[-1][1] == f and segs[-1][2] == u:
+                segs[-1] = (segs[-1][0], segs[-1][1] + n, u)
             else:
-                # as much as fits, leaving at least min_piece of the tile for the next worker; an empty
-                # worker takes the tile whole when it cannot be cut (-1: nothing here, next worker)
-                piece = min((span - used - ovh) // align, (r - min_piece) // align) * align
-                take = piece if piece >= min_piece else r if used == 0 else -1
-            if take >= 0:
-                u_tile.append(t), u_start.append(s), u_len.append(take), u_t0.append(used), u_w.append(w)
-                s += take
-                used += take + ovh
-            if s == kv:  # the tile is placed; the next one starts on this worker
-                break
-            loads[w] = used
-            w, used = w + 1, 0
-    loads[w] = used
-    return (u_tile, u_start, u_len, u_t0, u_w), loads
+                segs.append((f, n, u))
+    return units, fits, max(loads)
 
 
-def _pack(tile_kv: list, slots: int, ovh: int, align: int, min_piece: int, most: int):
-    """`_pack_at` at the smallest span (bisected) up to `most` that leaves the last worker no more
-    than the span; None if even `most` does not. Returns the units and the makespan (the largest
-    load)."""
-    lo = -(-(sum(tile_kv) + len(tile_kv) * ovh) // slots)
-    hi = most
-    if lo > hi or _pack_at(tile_kv, slots, hi, ovh, align, min_piece)[1][-1] > hi:
+def _pack_groups(tile_kv: np.ndarray, sizes: np.ndarray, slots: int, ovh: int, align: int, min_piece: int,
+                 most: int):
+    """Groups of tiles (sizes: each group's tile count; a group's tiles consecutive) packed as one
+    (`_pack_groups_at`: a group's last tile, which sees the most keys, cut onto a lane of as many workers)
+    at the smallest span (bisected) up to `most` where every class fits; None if even `most` does not.
+    Returns the units as arrays and the makespan."""
+    last = np.cumsum(sizes) - 1
+    kv_last, first = tile_kv[last], last - sizes + 1
+    classes = [(g, kv_last[sizes == g].tolist(), first[sizes == g].tolist())
+               for g in sorted(set(sizes.tolist()), reverse=True)]
+    usable = slots - slots % classes[-1][0]  # the narrowest class's lanes
+    least = np.maximum(1, -(-kv_last // (most - ovh)))  # units of a group's last tile, each within `most`
+    if usable < 1 or int((sizes * (kv_last + least * ovh)).sum()) > usable * most:
+        return None
+    lo, hi = -(-int((sizes * (kv_last + ovh)).sum()) // usable), most
+    if lo > hi or not _pack_groups_at(classes, slots, hi, ovh, align, min_piece)[1]:
         return None
     while lo < hi:
         mid = (lo + hi) // 2
-        if _pack_at(tile_kv, slots, mid, ovh, align, min_piece)[1][-1] <= mid:
+        if _pack_groups_at(classes, slots, mid, ovh, align, min_piece)[1]:
             hi = mid
         else:
             lo = mid + 1
-    units, loads = _pack_at(tile_kv, slots, hi, ovh, align, min_piece)
-    return units, max(loads)
+    units, _, span = _pack_groups_at(classes, slots, hi, ovh, align, min_piece)
+    return tuple(np.array(x, np.int64) for x in zip(*units)), span
 
 
 def _write_split_units(w, m, n_split, unit_tile, unit_j, kv_start, kv_len, tile_req, tile_qstart, tile_qlen,
@@ -427,7 +461,7 @@ def plan_mla_numpy(
     # ---- query tiles: ceil(qo / q_tile) per request -----------------------------
     # (The NumPy here is counted in microseconds: it runs before every step. The
     # common decode / verify case, one tile per request, skips the general path.)
-    group = 1  # tiles a request has, where every request with queries has that many (below: packing)
+    req_tiles = None  # each request's tile count, where some request has several (below: packing)
     hidden = 0  # keys a tile's causal mask hides from it, where ranked as its request (below: "Longest first")
     if max_q <= q_tile:
         if num_req and qo.min() > 0:
@@ -439,9 +473,7 @@ def plan_mla_numpy(
         tile_eoff = tile_qlen
     else:
         n_tiles = -(-qo // q_tile)
-        live_tiles = n_tiles[n_tiles > 0]
-        if live_tiles.min() == live_tiles.max():
-            group = int(live_tiles[0])
+        req_tiles = n_tiles[n_tiles > 0]
         tile_req = np.repeat(np.arange(num_req), n_tiles)
         tile_first = np.cumsum(n_tiles) - n_tiles
         tile_off = (np.arange(tile_req.size) - tile_first[tile_req]) * q_tile  # token index in request
@@ -498,47 +530,42 @@ def plan_mla_numpy(
     # out when it frees. Taken when the cost model says it is clearly shorter and it fits the
     # buckets above (which depend on the tile count only).
     #
-    # Where every request has the same number g > 1 of tiles (q_len 2-4 at 64-128 heads: MTP), a request's
-    # tiles are packed as one: its last tile's keys are cut onto g workers at once, at the same keys, so
-    # the g units that read a piece run side by side and read it from HBM once. Packed one by one, the
-    # tiles of a request were cut at different keys and read them at different times (up to thousands
-    # of keys apart, more than L2 holds across the workers). The group's tiles see at most (g - 1) *
-    # q_tile keys fewer than its last, less than a cut piece (min_chunk), so each of its units but the
-    # last (open-ended) ends within its own tile.
+    # Where requests have several tiles of few tokens (q_len 2-4 at 64-128 heads: MTP, spec verify), a
+    # request's tiles are packed as one: its last tile's keys are cut onto g workers at once (g: its tile
+    # count), at the same keys, so the g units that read a piece run side by side and read it from HBM
+    # once. Packed one by one, the tiles of a request were cut at different keys and read them at
+    # different times (up to thousands of keys apart, more than L2 holds across the workers). Requests of
+    # different tile counts (a ragged q_len) pack onto lanes of their own width, the slots shared out by
+    # their keys (`_lanes`). A group's tiles see at most (g - 1) * q_tile keys fewer than its last, less
+    # than a cut piece (min_chunk), so each of its units but the last (open-ended) ends within its own
+    # tile. Where the groups do not pack well, the tiles are packed one by one.
     packed = None
     if chunk:  # equal parts of each tile, aligned
         n_split = np.maximum(1, -(-tile_kv // chunk))
         tile_chunk = np.maximum(-(-(-(-tile_kv // n_split)) // align) * align, align)
         n_split = np.maximum(1, -(-tile_kv // tile_chunk))
-    if not (group > 1 and (group - 1) * q_tile < target.min_chunk and slots // group > n_t // group):
-        group = 1
-    pack_kv, pack_slots = tile_kv[group - 1 :: group], slots // group  # a group's last tile sees the most keys
     if slots > n_t and max_kv > target.min_chunk:
         longest_a = int(np.minimum(tile_kv, tile_chunk).max()) if chunk else max_kv
         # The longest span worth packing for; at that span a tile of kv keys is at least
         # ceil(kv / (most - ovh)) units, each with its overhead, which all workers must hold.
         most = (32 * (longest_a + ovh) - 1) // 33
-        if most - ovh >= align:
-            least_units = int(np.maximum(1, -(-pack_kv // (most - ovh))).sum())
-            if int(pack_kv.sum()) + least_units * ovh <= pack_slots * most:
-                packed = _pack(pack_kv.tolist(), pack_slots, ovh, align, target.min_chunk, most)
-    if packed is not None:
-        units_b, span_b = packed
-        g_tile = np.asarray(units_b[0], np.int64)  # the tiles packed: each group's last (group 1: every tile)
-        u_tile = g_tile if group == 1 else np.add.outer(g_tile * group, np.arange(group)).ravel()
-        n_split_b = np.bincount(u_tile, minlength=n_t)
-        split_b = n_split_b > 1
-        if not (33 * span_b < 32 * (longest_a + ovh) and len(u_tile) <= n_work
-                and int(split_b.sum()) <= n_merge and int((n_split_b * tile_qlen)[split_b].sum()) <= n_partial):
-            packed = None
+        grouped = req_tiles is not None and (int(req_tiles.max()) - 1) * q_tile < target.min_chunk
+        for sizes in ([req_tiles] if grouped else []) + [np.ones(n_t, np.int64)]:
+            if most - ovh < align:
+                break
+            got = _pack_groups(tile_kv, sizes, slots, ovh, align, target.min_chunk, most)
+            if got is None:
+                continue
+            units_b, span_b = got
+            n_split_b = np.bincount(units_b[0], minlength=n_t)
+            split_b = n_split_b > 1
+            if (33 * span_b < 32 * (longest_a + ovh) and units_b[0].size <= n_work
+                    and int(split_b.sum()) <= n_merge and int((n_split_b * tile_qlen)[split_b].sum()) <= n_partial):
+                packed = units_b
+                break
 
     if packed is not None:
-        first = np.r_[True, g_tile[1:] != g_tile[:-1]]  # a tile's (group's) units are consecutive
-        unit_j = np.arange(g_tile.size) - np.flatnonzero(first)[np.cumsum(first) - 1]
-        u_start, u_len, u_t0, u_w = (np.asarray(x, np.int64) for x in units_b[1:])
-        if group > 1:  # each of a group's units once for each of its tiles, side by side: tile i on worker w*g+i
-            u_w = np.add.outer(u_w * group, np.arange(group)).ravel()
-            u_start, u_len, u_t0, unit_j = (np.repeat(x, group) for x in (u_start, u_len, u_t0, unit_j))
+        u_tile, u_start, u_len, u_t0, u_w, unit_j = packed
         n_units, _ = _write_split_units(w, merge.T, n_split_b, u_tile, unit_j, u_start, u_len, tile_req,
                                         tile_qstart, tile_qlen, tile_eoff)
         w[W_WORKER, :n_units] = u_w

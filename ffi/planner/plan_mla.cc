@@ -3,6 +3,7 @@
 #include "plan_mla.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 
 #include "jax_mla/plan_layout.h"
@@ -82,66 +83,118 @@ std::vector<uint32_t> stable_order(const std::vector<uint32_t>& keys) {
   return idx;
 }
 
-// planner._pack_at: the tiles in order onto `slots` workers of `span` each (a unit costs its keys +
-// ovh). Units come out in worker order; loads[w] is worker w's total.
+// planner._pack_groups_at: groups of tiles packed as one onto `slots` workers of `span` each (a unit
+// costs its keys + ovh), class by class (groups of g tiles; widest first) on lanes of g neighbouring
+// workers; a narrower class goes on where the wider left off. Units come out class by class, a lane's in
+// order; returns whether each class's last lane held within the span, and sets the makespan.
 struct PackUnit {
   int64_t tile, start, len, t0, worker, part;  // t0: start on its worker; part: the tile's unit index
 };
-void pack_at(const Tiles& t, int64_t slots, int64_t span, int64_t ovh, int64_t align, int64_t min_piece,
-             std::vector<PackUnit>& units, std::vector<int64_t>& loads) {
+struct PackClass {
+  int64_t g;
+  std::vector<int64_t> kv, first;  // its groups' last tiles' keys and first tiles, in order
+};
+struct Lanes {
+  int64_t first, workers, load;  // neighbouring workers of one load
+};
+bool pack_groups_at(const std::vector<PackClass>& classes, int64_t slots, int64_t span, int64_t ovh,
+                    int64_t align, int64_t min_piece, std::vector<PackUnit>& units, int64_t& makespan) {
   units.clear();
-  loads.assign(slots, 0);
-  int64_t w = 0, used = 0;
-  for (int64_t i = 0; i < (int64_t)t.size(); ++i) {
-    const int64_t kv = t[i].kv;
-    int64_t s = 0;
-    for (;;) {
-      const int64_t r = kv - s;
-      int64_t take = r;
-      if (used + r + ovh > span && w < slots - 1) {
-        // As much as fits, leaving at least min_piece of the tile for the next worker (floor division
-        // as Python's //: the room may be negative); an empty worker takes the tile whole when it
-        // cannot be cut (-1: nothing here, next worker).
-        const int64_t piece = std::min(floor_div(span - used - ovh, align), floor_div(r - min_piece, align)) * align;
-        take = piece >= min_piece ? piece : used == 0 ? r : -1;
+  makespan = 0;
+  std::vector<Lanes> segs{{0, slots, 0}}, lanes, rest, next;  // segs: the workers still open, in order
+  std::vector<int64_t> loads(slots, 0);
+  bool fits = true;
+  for (const PackClass& c : classes) {
+    const int64_t g = c.g;
+    lanes.clear();
+    rest.clear();
+    for (const Lanes& x : segs) {
+      for (int64_t k = 0; k < x.workers / g; ++k) lanes.push_back({x.first + k * g, g, x.load});
+      if (x.workers % g) rest.push_back({x.first + x.workers - x.workers % g, x.workers % g, x.load});
+    }
+    if (lanes.empty()) return false;
+    size_t li = 0;
+    const size_t end = lanes.size() - 1;
+    int64_t used = lanes[0].load;
+    for (size_t k = 0; k < c.kv.size(); ++k) {
+      const int64_t kv = c.kv[k];
+      int64_t s = 0, j = 0;
+      for (;;) {
+        const int64_t r = kv - s;
+        int64_t take = r;
+        if (used + r + ovh > span && li != end) {
+          // As much as fits, leaving at least min_piece of the tile for the next lane (floor division
+          // as Python's //: the room may be negative); an empty lane takes the tile whole when it
+          // cannot be cut (-1: nothing here, next lane).
+          const int64_t piece = std::min(floor_div(span - used - ovh, align), floor_div(r - min_piece, align)) * align;
+          take = piece >= min_piece ? piece : used == 0 ? r : -1;
+        }
+        if (take >= 0) {
+          for (int64_t i = 0; i < g; ++i) units.push_back({c.first[k] + i, s, take, used, lanes[li].first + i, j});
+          s += take;
+          ++j;
+          used += take + ovh;
+        }
+        if (s == kv) break;
+        lanes[li].load = used;
+        used = lanes[++li].load;
       }
-      if (take >= 0) {
-        const int64_t part = !units.empty() && units.back().tile == i ? units.back().part + 1 : 0;
-        units.push_back({i, s, take, used, w, part});
-        s += take;
-        used += take + ovh;
+    }
+    lanes[li].load = used;
+    for (size_t k = 0; k <= li; ++k) std::fill_n(loads.begin() + lanes[k].first, g, lanes[k].load);
+    fits = fits && lanes[end].load <= span;
+    // The open workers in order (the lanes from the one it stopped in, and those too few for a lane),
+    // neighbours of one load as one.
+    next.assign(lanes.begin() + li, lanes.end());
+    next.insert(next.end(), rest.begin(), rest.end());
+    std::sort(next.begin(), next.end(), [](const Lanes& a, const Lanes& b) {
+      return a.first != b.first ? a.first < b.first : a.workers != b.workers ? a.workers < b.workers : a.load < b.load;
+    });
+    segs.clear();
+    for (const Lanes& x : next) {
+      if (!segs.empty() && segs.back().first + segs.back().workers == x.first && segs.back().load == x.load) {
+        segs.back().workers += x.workers;
+      } else {
+        segs.push_back(x);
       }
-      if (s == kv) break;  // the tile is placed; the next one starts on this worker
-      loads[w] = used;
-      ++w;
-      used = 0;
     }
   }
-  loads[w] = used;
+  makespan = *std::max_element(loads.begin(), loads.end());
+  return fits;
 }
 
-// planner._pack: pack_at at the smallest span (bisected) up to `most` that leaves the last worker no
-// more than the span; false if even `most` does not. Sets the makespan (the largest load).
-bool pack(const Tiles& t, int64_t slots, int64_t ovh, int64_t align, int64_t min_piece, int64_t most,
-          std::vector<PackUnit>& units, int64_t& span) {
-  int64_t kv_sum = 0;
-  for (const Tile& x : t) kv_sum += x.kv;
-  int64_t lo = ceil_div(kv_sum + (int64_t)t.size() * ovh, slots), hi = most;
-  std::vector<int64_t> loads;
-  if (lo > hi) return false;
-  pack_at(t, slots, hi, ovh, align, min_piece, units, loads);
-  if (loads.back() > hi) return false;
+// planner._pack_groups: groups of tiles (sizes: each group's tile count, a group's tiles consecutive)
+// packed as one at the smallest span (bisected) up to `most` where every class fits; false if even
+// `most` does not. Sets the makespan.
+bool pack_groups(const Tiles& t, const std::vector<int64_t>& sizes, int64_t slots, int64_t ovh, int64_t align,
+                 int64_t min_piece, int64_t most, std::vector<PackUnit>& units, int64_t& span) {
+  std::vector<int64_t> widths = sizes;
+  std::sort(widths.begin(), widths.end(), std::greater<int64_t>());
+  widths.erase(std::unique(widths.begin(), widths.end()), widths.end());
+  std::vector<PackClass> classes(widths.size());
+  int64_t need = 0, total = 0;  // sum g * (keys + least units' overheads), sum g * (keys + ovh)
+  for (size_t k = 0, f = 0; k < sizes.size(); f += sizes[k], ++k) {
+    const int64_t g = sizes[k], kv = t[f + g - 1].kv;
+    PackClass& c = classes[std::find(widths.begin(), widths.end(), g) - widths.begin()];
+    c.g = g;
+    c.kv.push_back(kv);
+    c.first.push_back((int64_t)f);
+    need += g * (kv + std::max<int64_t>(1, ceil_div(kv, most - ovh)) * ovh);  // units each within `most`
+    total += g * (kv + ovh);
+  }
+  const int64_t usable = slots - slots % widths.back();  // the narrowest class's lanes
+  if (usable < 1 || need > usable * most) return false;
+  int64_t lo = ceil_div(total, usable), hi = most, makespan = 0;
+  if (lo > hi || !pack_groups_at(classes, slots, hi, ovh, align, min_piece, units, makespan)) return false;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
-    pack_at(t, slots, mid, ovh, align, min_piece, units, loads);
-    if (loads.back() <= mid) {
+    if (pack_groups_at(classes, slots, mid, ovh, align, min_piece, units, makespan)) {
       hi = mid;
     } else {
       lo = mid + 1;
     }
   }
-  pack_at(t, slots, hi, ovh, align, min_piece, units, loads);
-  span = *std::max_element(loads.begin(), loads.end());
+  pack_groups_at(classes, slots, hi, ovh, align, min_piece, units, span);
   return true;
 }
 
@@ -193,11 +246,12 @@ Plan plan_mla(const PlanRequest& in) {
   // ---- query tiles: ceil(qo / q_tile) per request, tokens from the end backwards.
   Tiles t;
   t.reserve(max_q <= q_tile ? R : R + total_q / q_tile);
-  int64_t group = -1;  // tiles a request has, where every request with queries has that many; else 1
+  std::vector<int64_t> req_tiles;  // each request's tile count (requests with queries)
+  int64_t most_tiles = 0;
   for (int64_t r = 0; r < R; ++r) {
     if (qo[r] > 0) {
-      const int64_t n = ceil_div(qo[r], q_tile);
-      group = group < 0 || group == n ? n : 1;
+      req_tiles.push_back(ceil_div(qo[r], q_tile));
+      most_tiles = std::max(most_tiles, req_tiles.back());
     }
     for (int64_t off = 0; off < qo[r]; off += q_tile) {
       const int64_t qlen = std::min(q_tile, qo[r] - off), eoff = qo[r] - off;
@@ -254,34 +308,15 @@ Plan plan_mla(const PlanRequest& in) {
     // The longest span worth packing for; at that span a tile of kv keys is at least
     // ceil(kv / (most - ovh)) units, each with its overhead, which all workers must hold.
     const int64_t most = (32 * (longest_a + ovh) - 1) / 33;
-    // A request's tiles packed as one where each request has `group` > 1 of them (planner.py): its last
-    // tile, which sees the most keys, cut onto slots / group workers.
-    if (!(group > 1 && (group - 1) * q_tile < in.min_chunk && slots / group > n_t / group)) group = 1;
-    Tiles last_tiles;  // (group 1: the tiles themselves, not copied)
-    int64_t last_sum = kv_sum;
-    if (group > 1) {
-      last_sum = 0;
-      for (int64_t i = group - 1; i < n_t; i += group) {
-        last_tiles.push_back(t[i]);
-        last_sum += t[i].kv;
-      }
-    }
-    const Tiles& pack_tiles = group > 1 ? last_tiles : t;
-    const int64_t pack_slots = slots / group;
-    int64_t least_units = 0;
-    if (most - ovh >= align) {
-      for (const Tile& x : pack_tiles) least_units += std::max<int64_t>(1, ceil_div(x.kv, most - ovh));
-    }
-    int64_t span_b = 0;
-    std::vector<PackUnit> group_units;
-    if (most - ovh >= align && last_sum + least_units * ovh <= pack_slots * most &&
-        pack(pack_tiles, pack_slots, ovh, align, in.min_chunk, most, group_units, span_b)) {
-      // Each of a group's units once for each of its tiles, side by side: tile i on worker w * group + i.
-      if (group == 1) packed.swap(group_units);
-      for (const PackUnit& u : group_units) {
-        for (int64_t i = 0; i < group; ++i) {
-          packed.push_back({u.tile * group + i, u.start, u.len, u.t0, u.worker * group + i, u.part});
-        }
+    // A request's tiles packed as one where some request has several of few tokens (planner.py: lanes of
+    // its class's width), else, or where that does not pack well, the tiles one by one.
+    std::vector<std::vector<int64_t>> tries;
+    if (most_tiles > 1 && (most_tiles - 1) * q_tile < in.min_chunk) tries.push_back(req_tiles);
+    tries.emplace_back(n_t, 1);
+    for (const std::vector<int64_t>& sizes : tries) {
+      int64_t span_b = 0;
+      if (most - ovh < align || !pack_groups(t, sizes, slots, ovh, align, in.min_chunk, most, packed, span_b)) {
+        continue;
       }
       pack_splits.assign(n_t, 0);
       for (const PackUnit& u : packed) ++pack_splits[u.tile];
@@ -294,6 +329,7 @@ Plan plan_mla(const PlanRequest& in) {
       }
       take_pack = 33 * span_b < 32 * (longest_a + ovh) && (int64_t)packed.size() <= n_work &&
                   n_split_tiles <= n_merge && split_rows <= n_partial;
+      if (take_pack) break;
     }
   }
 

@@ -23,7 +23,7 @@ from jax_mla import PlanTarget, mla_paged_attention, mla_paged_attention_referen
 from jax_mla import _ffi
 from jax_mla.attention import CUDA_DIMS
 from jax_mla.planner import (KV_END_OPEN, M_NUM_SPLITS, M_QLEN, W_KV_END, W_KV_START, W_PARTIAL_ROW, W_QLEN,
-                             W_QSTART, W_REQUEST)
+                             W_QSTART, W_REQUEST, W_WORKER)
 from jax_mla.quant import dequantize
 from jax_mla.testing import (assert_nan_rows_match, no_split_target, poison_unseen, random_paged_batch, rel_err,
                              split_target)
@@ -240,18 +240,20 @@ def test_many_and_few_splits_in_one_batch(rng, heads):
     check_against_reference(batch, plan)
 
 
-@pytest.mark.parametrize("heads,max_q,mtp", [(16, 1, False), (128, 1, False), (20, 3, False), (128, 2, True)])
+@pytest.mark.parametrize("heads,max_q,mtp", [(16, 1, ""), (128, 1, ""), (20, 3, ""), (128, 2, "uniform"),
+                                             (128, 3, "ragged")])
 def test_ragged_batch_packed_onto_workers(heads, max_q, mtp):
     """Lengths 30x apart: the planner packs the keys onto the workers (units of several requests per
     worker, tiles cut where a worker is full into unequal pieces, units ordered by their start on the
-    worker rather than longest first). mtp: every request has q_len 2, two one-token tiles at 128 heads,
-    which are packed as one (cut at the same keys, side by side)."""
+    worker rather than longest first). mtp: every request has q_len 2 ("uniform"), or 1-3 ("ragged"):
+    at 128 heads that many one-token tiles, which are packed as one (cut at the same keys, side by
+    side)."""
     dims = SMALL if jax.default_backend() == "cpu" else DEEPSEEK
     require_kernel(*dims)
     rng = np.random.default_rng(5)
     n = 12
     qo = rng.integers(1, max_q + 1, n)
-    if mtp:
+    if mtp == "uniform":
         qo[:] = max_q
     kv = np.maximum(rng.integers(40, 1200, n), qo)
     batch = random_paged_batch(rng, qo, kv, num_heads=heads, page_size=16, d_ckv=dims[0], d_kpe=dims[1],
@@ -264,10 +266,16 @@ def test_ragged_batch_packed_onto_workers(heads, max_q, mtp):
     ends = np.where(live[:, W_KV_END] == KV_END_OPEN, kv[live[:, W_REQUEST]], live[:, W_KV_END])
     assert (np.diff(ends - live[:, W_KV_START]) > 0).any(), f"not packed: {plan.describe()}"
     assert (live[:, W_PARTIAL_ROW] >= 0).any()
-    if mtp:  # the two tiles' units in pairs: one request, one first key, neighbouring workers
-        pairs = live.reshape(-1, 2, live.shape[1])
-        assert (pairs[:, 0, [W_REQUEST, W_KV_START]] == pairs[:, 1, [W_REQUEST, W_KV_START]]).all()
-        assert (pairs[:, 1, W_QSTART] == pairs[:, 0, W_QSTART] + 1).all(), plan.describe()
+    if mtp:  # a request's tiles' units side by side: one first key, neighbouring rows and workers
+        if mtp == "ragged":
+            assert set(qo.tolist()) == {1, 2, 3}
+        i = 0
+        while i < len(live):
+            g = qo[live[i, W_REQUEST]]
+            group = live[i : i + g]
+            assert (group[:, [W_REQUEST, W_KV_START]] == group[0, [W_REQUEST, W_KV_START]]).all(), plan.describe()
+            assert (np.diff(group[:, W_QSTART]) == 1).all() and (np.diff(group[:, W_WORKER]) == 1).all()
+            i += g
     check_against_reference(batch, plan)
 
 

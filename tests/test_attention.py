@@ -320,6 +320,23 @@ def test_wide_units(rng, heads, q_len, page_size, split, dtype):
     assert np.isneginf(ref_lse[-padding:]).all()
 
 
+def test_many_units_a_worker_are_walked(rng):
+    """300 requests at 128 heads on a 132-SM GPU's plan (66 workers of two head blocks): 300 tiles in 512 plan
+    rows, more than kWalkFromRows (6) a worker, so a 16-bit cache's units are walked on the GPU, one block
+    per SM and head block running its worker's units one after another (mla_launch.cuh). Lengths of one key
+    to several blocks, one request of two tokens (two tiles), an empty one."""
+    dims = SMALL if jax.default_backend() == "cpu" else DEEPSEEK
+    require_kernel(*dims)
+    qo = np.ones(300, int)
+    kv = rng.integers(1, 400, 300)
+    kv[0], qo[1], kv[1], qo[2], kv[2] = 64 * 3 + 5, 2, 130, 0, 0
+    batch = random_paged_batch(rng, qo, kv, num_heads=128, page_size=64, d_ckv=dims[0], d_kpe=dims[1],
+                               dtype=BF16)
+    plan = plan_mla(qo, kv, num_heads=128, page_size=64, target=PlanTarget(num_workers=132))
+    assert plan.work.shape[0] >= 6 * 66, plan.describe()
+    check_against_reference(batch, plan)
+
+
 # ---- one plan, other device lengths -------------------------------------------------
 
 @pytest.mark.parametrize("dims", [SMALL, DEEPSEEK], ids=["small", "deepseek"])

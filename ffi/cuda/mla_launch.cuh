@@ -18,6 +18,8 @@ namespace jax_mla {
 namespace cuda {
 
 constexpr int kMaxDevices = 64;
+// The 64-key body walks (below) where the plan has at least this many rows a worker.
+constexpr int kWalkFromRows = 6;
 
 inline int sm_count() {
   int device = 0, count = 0;
@@ -221,22 +223,32 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
           const KeyTensorMaps maps =
               key_tensor_maps<T, kCache>(p, p.page_size >= Wide64Sm90::BK ? Wide64Sm90::BK : WideSm90::BK);
           if (maps.enabled) {
-#ifdef JAX_MLA_WIDE64_WALK  // (an A/B build, off by default: the walk, mla_wide64_walk_sm90.cuh)
-            // A 16-bit cache at a multiple of 64 heads: one block per SM and head block running its worker's
-            // units one after another, the next unit's loads issued while the last one's rows are written.
-            // Against waves (the default): 264 x 2048 h128 (four units a worker) 2.8-3.7% faster in the
-            // driver; but through JAX, interleaved, every 64- and 128-head page-64 shape of the benchmark (one
-            // or two units a worker) 1.3-3.2% slower, one 32K request even (H100; ffi/cuda/NOTES.md,
-            // "thirty-ninth" to "forty-first session").
+#ifndef JAX_MLA_WIDE64_NO_WALK  // (an A/B switch: waves always)
+            // A 16-bit cache at a multiple of 64 heads, where the plan holds many units a worker: one block per
+            // SM and head block running its worker's units one after another (the walk,
+            // mla_wide64_walk_sm90.cuh), the next unit's loads issued while the last one's rows are written.
+            // Against waves: 264 x 2048 h128 (four units a worker) 1.9% faster through JAX, 1.4-3.7% in the
+            // driver; but at one or two units a worker (every other 64- and 128-head page-64 shape of the
+            // benchmark) 1.3-3.2% slower through JAX (H100; ffi/cuda/NOTES.md, "thirty-ninth" to
+            // "forty-fourth session"). The live unit count is device data; the plan's row capacity (a power of
+            // two under twice the tiles) is what the launch sees: kWalkFromRows rows a worker mean more than
+            // three live units a worker on average (on 132 SMs 512 rows: over 3.9). -DJAX_MLA_WIDE64_WALK: every such
+            // call walks (an A/B build; with -DJAX_MLA_WIDE64_WALK_WORKERS=N on N blocks a head block, a test
+            // build in which every walk is long).
             if constexpr (kCache == kCacheAsQuery) {
               if (p.num_heads % Wide64Sm90::ROWS == 0) {
-                const QueryTensorMaps qmaps = query_tensor_maps<T>(p);
-                if (qmaps.enabled) {
-#ifdef JAX_MLA_WIDE64_WALK_WORKERS  // (a test build: few workers, so that every walk is long)
-                  const int most = JAX_MLA_WIDE64_WALK_WORKERS;
+#ifdef JAX_MLA_WIDE64_WALK_WORKERS
+                const int most = JAX_MLA_WIDE64_WALK_WORKERS;
 #else
-                  const int most = sm_count() / p.head_blocks;
+                const int most = std::max(1, sm_count() / p.head_blocks);
 #endif
+#ifdef JAX_MLA_WIDE64_WALK
+                const bool walk = true;
+#else
+                const bool walk = (int64_t)p.num_work >= (int64_t)kWalkFromRows * most;
+#endif
+                const QueryTensorMaps qmaps = walk ? query_tensor_maps<T>(p) : QueryTensorMaps{};
+                if (qmaps.enabled) {
                   const int workers = std::max(1, std::min(p.num_work, most));
                   return launch_with_smem<mla_attention_wide64_walk_kernel<T>>(
                       workers * p.head_blocks, Wide64Sm90::kThreads, std::max(kSm90SmemBytes, kWalkSmemBytes), stream,

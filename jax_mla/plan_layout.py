@@ -33,6 +33,10 @@ def head_blocks(num_heads: int) -> int:
     """CUDA blocks one unit's heads are spread over (plan_layout.h: HeadBlocks)."""
     return -(-num_heads // ROWS_PER_TILE)
 
+# Plan rows a worker (SMs / head blocks) from which the CUDA launch walks a 16-bit cache at a multiple of 64
+# heads, and the planner deals units to the least loaded worker (kWalkFromRows).
+WALK_FROM_ROWS = 6
+
 # Powers of two up to kMaxPageSize.
 MAX_PAGE_SIZE = 256
 SUPPORTED_PAGE_SIZES = tuple(1 << i for i in range(MAX_PAGE_SIZE.bit_length()))

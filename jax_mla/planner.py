@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import json
 import os
 from typing import Any, Sequence
@@ -599,13 +600,26 @@ def plan_mla_numpy(
         # fewer per earlier token) every request's first tiles went to one wave and its last tiles to the
         # next, and each wave read all keys (ffi/cuda/NOTES.md, "forty-second session"). A longer extend
         # keeps its own ranks: its tiles' keys differ by more than a block, and its shortest go last.
-        work[:n_units] = work[np.argsort(-u_cost, kind="stable")]
-        # Their workers (a walk's blocks, plan_layout.h): dealt to the slots back and forth (round k
-        # forwards when k is even, backwards when odd), so that the longest of a round goes with the
-        # shortest of the last.
+        order = np.argsort(-u_cost, kind="stable")
+        work[:n_units] = work[order]
+        # Their workers (a walk's blocks, plan_layout.h). Where the CUDA kernel walks (a multiple of 64 heads,
+        # WALK_FROM_ROWS plan rows a worker), each unit in turn to the least loaded slot (ties: the lowest),
+        # as waves hand the next block to the SM that frees first: on ragged batches dealing balanced 1-1.3%
+        # worse (ffi/cuda/NOTES.md, "forty-fourth session"). Elsewhere no kernel walks, and the slots are
+        # dealt back and forth (round k forwards when k is even, backwards when odd), so that the longest
+        # of a round goes with the shortest of the last, without a loop over the units.
         g = max(slots, 1)
         pos = np.arange(n_units)
-        w[W_WORKER, :n_units] = np.where((pos // g) % 2 == 0, pos % g, g - 1 - pos % g)
+        if num_heads % plan_layout.ROWS_PER_TILE == 0 and n_work >= plan_layout.WALK_FROM_ROWS * g:
+            loads = [(0, k) for k in range(g)]  # a heap: (load, slot)
+            dealt = []
+            for c in (u_cost[order] + ovh).tolist():
+                load, k = loads[0]
+                dealt.append(k)
+                heapq.heapreplace(loads, (load + c, k))
+            w[W_WORKER, :n_units] = dealt
+        else:
+            w[W_WORKER, :n_units] = np.where((pos // g) % 2 == 0, pos % g, g - 1 - pos % g)
     assert n_units <= n_work
 
     tokens = np.empty((num_tokens, 2), np.int32)

@@ -32,5 +32,6 @@ def test_work_and_merge_columns():
 def test_constants():
     assert _constant("kKvEndOpen") == L.KV_END_OPEN
     assert _constant("kRowsPerTile") == L.ROWS_PER_TILE
+    assert _constant("kWalkFromRows") == L.WALK_FROM_ROWS
     assert _constant("kMaxPageSize") == L.MAX_PAGE_SIZE == max(L.SUPPORTED_PAGE_SIZES)
     assert L.SUPPORTED_PAGE_SIZES == (1, 2, 4, 8, 16, 32, 64, 128, 256)

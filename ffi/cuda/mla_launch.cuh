@@ -18,8 +18,6 @@ namespace jax_mla {
 namespace cuda {
 
 constexpr int kMaxDevices = 64;
-// The 64-key body walks (below) where the plan has at least this many rows a worker.
-constexpr int kWalkFromRows = 6;
 
 inline int sm_count() {
   int device = 0, count = 0;
@@ -231,8 +229,9 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
             // driver; but at one or two units a worker (every other 64- and 128-head page-64 shape of the
             // benchmark) 1.3-3.2% slower through JAX (H100; ffi/cuda/NOTES.md, "thirty-ninth" to
             // "forty-fourth session"). The live unit count is device data; the plan's row capacity (a power of
-            // two under twice the tiles) is what the launch sees: kWalkFromRows rows a worker mean more than
-            // three live units a worker on average (on 132 SMs 512 rows: over 3.9). -DJAX_MLA_WIDE64_WALK: every such
+            // two under twice the tiles) is what the launch sees: kWalkFromRows (plan_layout.h) rows a worker
+            // mean more than three live units a worker on average (on 132 SMs 512 rows: over 3.9), and there
+            // the planner deals the units to the least loaded worker. -DJAX_MLA_WIDE64_WALK: every such
             // call walks (an A/B build; with -DJAX_MLA_WIDE64_WALK_WORKERS=N on N blocks a head block, a test
             // build in which every walk is long).
             if constexpr (kCache == kCacheAsQuery) {

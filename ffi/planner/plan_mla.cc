@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <functional>
 #include <numeric>
+#include <utility>
 
 #include "jax_mla/plan_layout.h"
 
@@ -405,12 +406,34 @@ Plan plan_mla(const PlanRequest& in) {
   WorkRow* work = reinterpret_cast<WorkRow*>(plan.work.data());
   for (int64_t u = 0; u < n_units; ++u) work[u] = units[sorted[u]];
   if (!take_pack) {
-    // planner.py: the longest-first units dealt to the slots back and forth (round k forwards when k is
-    // even, backwards when odd).
+    // planner.py: the longest-first units' workers. Where the CUDA kernel walks (a multiple of 64 heads,
+    // kWalkFromRows plan rows a worker), each unit to the least loaded slot (ties: the lowest); elsewhere
+    // dealt back and forth (round k forwards when k is even, backwards when odd).
     const int64_t g = std::max<int64_t>(slots, 1);
-    for (int64_t u = 0; u < n_units; ++u) {
-      const int64_t k = u / g, j = u % g;
-      work[u].col[kWorkWorker] = (int32_t)(k % 2 == 0 ? j : g - 1 - j);
+    if (H % kRowsPerTile == 0 && n_work >= kWalkFromRows * g) {
+      // A min-heap of (load, slot), its top replaced and sifted down (Python's heapreplace); the slots make
+      // every key distinct, so the least is the same whichever heap holds them.
+      using Load = std::pair<int64_t, int64_t>;
+      std::vector<Load> loads(g);
+      for (int64_t k = 0; k < g; ++k) loads[k] = {0, k};  // ascending: a heap already
+      for (int64_t u = 0; u < n_units; ++u) {
+        work[u].col[kWorkWorker] = (int32_t)loads[0].second;
+        const int64_t cost = kInt32Max - (int64_t)order[sorted[u]];  // the unit's cost, as ranked
+        const Load x{loads[0].first + cost + in.unit_overhead, loads[0].second};
+        int64_t i = 0;
+        for (int64_t c = 1; c < g; c = 2 * i + 1) {
+          if (c + 1 < g && loads[c + 1] < loads[c]) ++c;
+          if (!(loads[c] < x)) break;
+          loads[i] = loads[c];
+          i = c;
+        }
+        loads[i] = x;
+      }
+    } else {
+      for (int64_t u = 0; u < n_units; ++u) {
+        const int64_t k = u / g, j = u % g;
+        work[u].col[kWorkWorker] = (int32_t)(k % 2 == 0 ? j : g - 1 - j);
+      }
     }
   }
   std::fill(work + n_units, work + n_work, WorkRow{});

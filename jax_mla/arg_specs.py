@@ -209,6 +209,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     ArgSpec(128, 64, 1, 2048, batch=264, tags=_tags("walk", "extra")),
     ArgSpec(128, 64, 2, 4096, batch=66, tags=_tags("walk", "extra")),
     ArgSpec(64, 64, 1, 4096, batch=264, tags=_tags("walk")),
+    # ... and a ragged one: 300 requests at 128 heads, a plan of 512 rows, walked (kWalkFromRows), each unit
+    # dealt to the least loaded worker (forty-fourth session)
+    ArgSpec(128, 64, 1, Uniform(1, 4096, 9), batch=300, tags=_tags("walk", "extra")),
     # ---- planner sweep only
     ArgSpec(16, 64, 1, 8192, batch=8, tags=_tags("planner")),
     ArgSpec(128, 64, 1, 2048, batch=16, tags=_tags("planner")),

@@ -536,8 +536,8 @@ def plan_mla_numpy(
     # count), at the same keys, so the g units that read a piece run side by side and read it from HBM
     # once. Packed one by one, the tiles of a request were cut at different keys and read them at
     # different times (up to thousands of keys apart, more than L2 holds across the workers). Requests of
-    # different tile counts (a ragged q_len) pack onto lanes of their own width, the slots shared out by
-    # their keys (`_lanes`). A group's tiles see at most (g - 1) * q_tile keys fewer than its last, less
+    # different tile counts (a ragged q_len) pack onto lanes of their own width, widest first, the narrower
+    # going on where the wider left off (`_pack_groups_at`). A group's tiles see at most (g - 1) * q_tile keys fewer than its last, less
     # than a cut piece (min_chunk), so each of its units but the last (open-ended) ends within its own
     # tile. Where the groups do not pack well, the tiles are packed one by one.
     packed = None
@@ -551,9 +551,8 @@ def plan_mla_numpy(
         # ceil(kv / (most - ovh)) units, each with its overhead, which all workers must hold.
         most = (32 * (longest_a + ovh) - 1) // 33
         grouped = req_tiles is not None and (int(req_tiles.max()) - 1) * q_tile < target.min_chunk
-        for sizes in ([req_tiles] if grouped else []) + [np.ones(n_t, np.int64)]:
-            if most - ovh < align:
-                break
+        tries = ([req_tiles] if grouped else []) + [np.ones(n_t, np.int64)] if most - ovh >= align else []
+        for sizes in tries:
             got = _pack_groups(tile_kv, sizes, slots, ovh, align, target.min_chunk, most)
             if got is None:
                 continue
@@ -609,7 +608,6 @@ def plan_mla_numpy(
         # dealt back and forth (round k forwards when k is even, backwards when odd), so that the longest
         # of a round goes with the shortest of the last, without a loop over the units.
         g = max(slots, 1)
-        pos = np.arange(n_units)
         if num_heads % plan_layout.ROWS_PER_TILE == 0 and n_work >= plan_layout.WALK_FROM_ROWS * g:
             loads = [(0, k) for k in range(g)]  # a heap: (load, slot)
             dealt = []
@@ -619,6 +617,7 @@ def plan_mla_numpy(
                 heapq.heapreplace(loads, (load + c, k))
             w[W_WORKER, :n_units] = dealt
         else:
+            pos = np.arange(n_units)
             w[W_WORKER, :n_units] = np.where((pos // g) % 2 == 0, pos % g, g - 1 - pos % g)
     assert n_units <= n_work
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jax_mla import PlanTarget, mla_paged_attention, mla_paged_attention_reference, plan_mla
-from jax_mla import _ffi
+from jax_mla import _ffi, plan_layout
 from jax_mla.attention import CUDA_DIMS
 from jax_mla.planner import (KV_END_OPEN, M_NUM_SPLITS, M_QLEN, W_KV_END, W_KV_START, W_PARTIAL_ROW, W_QLEN,
                              W_QSTART, W_REQUEST, W_WORKER)
@@ -333,7 +333,7 @@ def test_many_units_a_worker_are_walked(rng):
     batch = random_paged_batch(rng, qo, kv, num_heads=128, page_size=64, d_ckv=dims[0], d_kpe=dims[1],
                                dtype=BF16)
     plan = plan_mla(qo, kv, num_heads=128, page_size=64, target=PlanTarget(num_workers=132))
-    assert plan.work.shape[0] >= 6 * 66, plan.describe()
+    assert plan.work.shape[0] >= plan_layout.WALK_FROM_ROWS * 66, plan.describe()
     check_against_reference(batch, plan)
 
 

@@ -148,9 +148,7 @@ bool pack_groups_at(const std::vector<PackClass>& classes, int64_t slots, int64_
     // neighbours of one load as one.
     next.assign(lanes.begin() + li, lanes.end());
     next.insert(next.end(), rest.begin(), rest.end());
-    std::sort(next.begin(), next.end(), [](const Lanes& a, const Lanes& b) {
-      return a.first != b.first ? a.first < b.first : a.workers != b.workers ? a.workers < b.workers : a.load < b.load;
-    });
+    std::sort(next.begin(), next.end(), [](const Lanes& a, const Lanes& b) { return a.first < b.first; });
     segs.clear();
     for (const Lanes& x : next) {
       if (!segs.empty() && segs.back().first + segs.back().workers == x.first && segs.back().load == x.load) {
@@ -312,13 +310,13 @@ Plan plan_mla(const PlanRequest& in) {
     // A request's tiles packed as one where some request has several of few tokens (planner.py: lanes of
     // its class's width), else, or where that does not pack well, the tiles one by one.
     std::vector<std::vector<int64_t>> tries;
-    if (most_tiles > 1 && (most_tiles - 1) * q_tile < in.min_chunk) tries.push_back(req_tiles);
-    tries.emplace_back(n_t, 1);
+    if (most - ovh >= align) {
+      if (most_tiles > 1 && (most_tiles - 1) * q_tile < in.min_chunk) tries.push_back(req_tiles);
+      tries.emplace_back(n_t, 1);
+    }
     for (const std::vector<int64_t>& sizes : tries) {
       int64_t span_b = 0;
-      if (most - ovh < align || !pack_groups(t, sizes, slots, ovh, align, in.min_chunk, most, packed, span_b)) {
-        continue;
-      }
+      if (!pack_groups(t, sizes, slots, ovh, align, in.min_chunk, most, packed, span_b)) continue;
       pack_splits.assign(n_t, 0);
       for (const PackUnit& u : packed) ++pack_splits[u.tile];
       int64_t n_split_tiles = 0, split_rows = 0;

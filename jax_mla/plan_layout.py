@@ -33,8 +33,8 @@ def head_blocks(num_heads: int) -> int:
     """CUDA blocks one unit's heads are spread over (plan_layout.h: HeadBlocks)."""
     return -(-num_heads // ROWS_PER_TILE)
 
-# Plan rows a worker (SMs / head blocks) from which a walking CUDA build (-DJAX_MLA_WIDE64_WALK_AUTO) walks a
-# 16-bit cache at a multiple of 64 heads, and the planner deals units to the least loaded worker (kWalkFromRows).
+# Plan rows a worker (SMs / head blocks) from which the CUDA launch walks a 16-bit cache at a multiple of 64
+# heads, and the planner deals units to the least loaded worker (kWalkFromRows).
 WALK_FROM_ROWS = 6
 
 # Powers of two up to kMaxPageSize.

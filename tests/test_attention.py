@@ -322,10 +322,9 @@ def test_wide_units(rng, heads, q_len, page_size, split, dtype):
 
 def test_many_units_a_worker_are_walked(rng):
     """300 requests at 128 heads on a 132-SM GPU's plan (66 workers of two head blocks): 300 tiles in 512 plan
-    rows, more than kWalkFromRows (6) a worker, so in a build with -DJAX_MLA_WIDE64_WALK_AUTO a 16-bit cache's
-    units are walked on the GPU, one block per SM and head block running its worker's units one after another
-    (mla_launch.cuh; the default build runs them in waves). Lengths of one key to several blocks, one request
-    of two tokens (two tiles), an empty one."""
+    rows, more than kWalkFromRows (6) a worker, so a 16-bit cache's units are walked on the GPU, one block
+    per SM and head block running its worker's units one after another (mla_launch.cuh). Lengths of one key
+    to several blocks, one request of two tokens (two tiles), an empty one."""
     dims = SMALL if jax.default_backend() == "cpu" else DEEPSEEK
     require_kernel(*dims)
     qo = np.ones(300, int)

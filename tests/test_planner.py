@@ -280,7 +280,7 @@ def test_units_are_dealt_to_workers_back_and_forth(planner):
 
 @pytest.mark.parametrize("planner", ["native", "numpy"])
 def test_walked_plans_give_each_unit_to_the_least_loaded_worker(planner):
-    """Where a walking CUDA build walks (a multiple of 64 heads, WALK_FROM_ROWS plan rows a worker: 257+ tiles at
+    """Where the CUDA kernel walks (a multiple of 64 heads, WALK_FROM_ROWS plan rows a worker: 257+ tiles at
     128 heads on 66 slots) each unit goes to the least loaded slot, as waves hand a block to the SM that
     frees first, so the walked span is the greedy dispatch's; back and forth had been 1-1.3% longer on
     ragged batches. A plan that waves run (128 tiles) keeps the dealing back and forth."""

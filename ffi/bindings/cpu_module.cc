@@ -45,12 +45,14 @@ nb::dict build_info() {
       bodies.append("16-bit wide units: 64-key body, blocks by TMA on pages of 32+ keys, as TMA boxes of a page "
                     "on pages of 8-16 keys, gathered by cp.async on smaller pages; those gathers issued by a "
                     "producer warpgroup above 16 heads (sm_90a)");
-      // The walk (ffi/cuda/mla_wide64_walk_sm90.cuh; CMake option JAX_MLA_WIDE64_WALK=ON, an A/B build).
+      // The walk (ffi/cuda/mla_wide64_walk_sm90.cuh): where the plan holds many units a worker, or for every
+      // such call in the A/B build (CMake option JAX_MLA_WIDE64_WALK=ON).
       bodies.append(JAX_MLA_CUDA_WIDE64_WALK
                         ? "16-bit wide units at a multiple of 64 heads on pages of 32+ keys: the 64-key body's walk, "
                           "one block per SM and head block (sm_90a, JAX_MLA_WIDE64_WALK=ON, an A/B build)"
                         : "16-bit wide units at a multiple of 64 heads on pages of 32+ keys: the 64-key body in "
-                          "waves, one block a unit (sm_90a)");
+                          "waves, one block a unit, or walked (one block per SM and head block) where the plan "
+                          "has 6+ rows a worker (sm_90a)");
       // Units of at most 16 rows on an e4m3 ckv (CMake option JAX_MLA_NARROW_FP8_MMA_SYNC picks).
       bodies.append(JAX_MLA_CUDA_NARROW_FP8_MMA_SYNC ? "fp8 narrow units: mma.sync body (sm_90a)"
                                                      : "fp8 narrow units: transposed e4m3 wgmma body (sm_90a)");

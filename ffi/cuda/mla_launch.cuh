@@ -221,19 +221,19 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
           const KeyTensorMaps maps =
               key_tensor_maps<T, kCache>(p, p.page_size >= Wide64Sm90::BK ? Wide64Sm90::BK : WideSm90::BK);
           if (maps.enabled) {
-#if defined(JAX_MLA_WIDE64_WALK) || defined(JAX_MLA_WIDE64_WALK_AUTO)  // (A/B builds, off by default)
-            // A 16-bit cache at a multiple of 64 heads: one block per SM and head block running its worker's
-            // units one after another (the walk, mla_wide64_walk_sm90.cuh), the next unit's loads issued while
-            // the last one's rows are written. Against waves (the default): 264 x 2048 h128 (four units a
-            // worker) 1.9% faster through JAX, 1.4-3.7% in the driver; but at one or two units a worker (every
-            // other 64- and 128-head page-64 shape of the benchmark) 1.3-3.2% slower through JAX (H100;
-            // ffi/cuda/NOTES.md, "thirty-ninth" to "forty-fourth session"). -DJAX_MLA_WIDE64_WALK: every such
-            // call walks. -DJAX_MLA_WIDE64_WALK_AUTO: only where the plan has kWalkFromRows (plan_layout.h)
-            // rows a worker: the live unit count is device data, the row capacity (a power of two under twice
-            // the tiles) is what the launch sees, so over three live units a worker on average (on 132 SMs 512
-            // rows: over 3.9), where the planner deals the units to the least loaded worker; to become the
-            // default once measured on a GPU (forty-fourth session). With -DJAX_MLA_WIDE64_WALK_WORKERS=N on N
-            // blocks a head block (a test build in which every walk is long).
+#ifndef JAX_MLA_WIDE64_NO_WALK  // (an A/B switch: waves always)
+            // A 16-bit cache at a multiple of 64 heads, where the plan holds many units a worker: one block per
+            // SM and head block running its worker's units one after another (the walk,
+            // mla_wide64_walk_sm90.cuh), the next unit's loads issued while the last one's rows are written.
+            // The live unit count is device data; the plan's row capacity (a power of two under twice the
+            // tiles) is what the launch sees: kWalkFromRows (plan_layout.h) rows a worker mean more than three
+            // live units a worker on average (on 132 SMs 512 rows: over 3.9), and there the planner deals the
+            // units to the least loaded worker. Against waves through JAX (H100): 264 x 2048 h128 (four units a
+            // worker) 2.7% faster, 300 x U[1, 4096] h128 even (forty-fifth session); walked at one or two units
+            // a worker, every other 64- and 128-head page-64 shape of the benchmark ran 1.3-3.2% slower, so those
+            // stay in waves (ffi/cuda/NOTES.md, "thirty-ninth" to "forty-fifth session"). -DJAX_MLA_WIDE64_WALK:
+            // every such call walks; -DJAX_MLA_WIDE64_NO_WALK: none (A/B builds; with
+            // -DJAX_MLA_WIDE64_WALK_WORKERS=N on N blocks a head block, a test build in which every walk is long).
             if constexpr (kCache == kCacheAsQuery) {
               if (p.num_heads % Wide64Sm90::ROWS == 0) {
 #ifdef JAX_MLA_WIDE64_WALK_WORKERS

@@ -1,9 +1,10 @@
 // The 64-key body's walk: one block per worker (SM) and head block, running the plan's units of its
-// worker one after another (mla_launch.cuh; A/B builds, off by default: -DJAX_MLA_WIDE64_WALK, CMake
-// JAX_MLA_WIDE64_WALK=ON, walks every call of a multiple of 64 heads on a 16-bit cache; -DJAX_MLA_WIDE64_WALK_AUTO
-// only plans of kWalkFromRows rows a worker. Through JAX it ran the benchmark's shapes of one or two units a
-// worker 1.3-3.2% slower than waves, and shapes of four units a worker faster: ffi/cuda/NOTES.md,
-// "thirty-seventh" to "forty-fourth session").
+// worker one after another (mla_launch.cuh). Launched where the plan holds many units a worker (its rows at
+// least kWalkFromRows a worker): through JAX it ran 264 x 2048 h128 (four units a worker) 2.7% faster than
+// waves and 300 x U[1, 4096] h128 even, and the benchmark's shapes of one or two units a worker 1.3-3.2% slower,
+// which stay in waves (ffi/cuda/NOTES.md, "thirty-seventh" to "forty-fifth session"). A/B builds:
+// -DJAX_MLA_WIDE64_WALK (CMake JAX_MLA_WIDE64_WALK=ON) walks every call of a multiple of 64 heads on a 16-bit
+// cache, -DJAX_MLA_WIDE64_NO_WALK none.
 //
 // Why. In waves a unit's fixed costs are the block's: after its loop, the epilogue (~2,400 cycles, ~5,400
 // for the warp that waits for the row copies' reads), then the next block's start on the SM, its plan row,

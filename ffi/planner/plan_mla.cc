@@ -404,7 +404,7 @@ Plan plan_mla(const PlanRequest& in) {
   WorkRow* work = reinterpret_cast<WorkRow*>(plan.work.data());
   for (int64_t u = 0; u < n_units; ++u) work[u] = units[sorted[u]];
   if (!take_pack) {
-    // planner.py: the longest-first units' workers. Where a walking CUDA build walks (a multiple of 64 heads,
+    // planner.py: the longest-first units' workers. Where the CUDA kernel walks (a multiple of 64 heads,
     // kWalkFromRows plan rows a worker), each unit to the least loaded slot (ties: the lowest); elsewhere
     // dealt back and forth (round k forwards when k is even, backwards when odd).
     const int64_t g = std::max<int64_t>(slots, 1);

@@ -78,9 +78,8 @@ constexpr int64_t QTile(int64_t num_heads) { return num_heads >= kRowsPerTile ? 
 constexpr int64_t HeadBlocks(int64_t num_heads) { return (num_heads + kRowsPerTile - 1) / kRowsPerTile; }
 
 // The walk (mla_wide64_walk_sm90.cuh: a 16-bit cache at a multiple of kRowsPerTile heads, one block per worker
-// and head block running its units): a build with -DJAX_MLA_WIDE64_WALK_AUTO launches it where the plan has at
-// least kWalkFromRows rows a worker (SMs / head blocks), and there the planner deals the units to the least
-// loaded worker.
+// and head block running its units): the CUDA launch takes it where the plan has at least kWalkFromRows rows a
+// worker (SMs / head blocks), and there the planner deals the units to the least loaded worker.
 constexpr int kWalkFromRows = 6;
 
 // Page sizes: powers of two from 1 to kMaxPageSize.

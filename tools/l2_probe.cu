@@ -31,21 +31,13 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.h"
 #include "mla_hopper.cuh"  // the kernels' mbarrier helpers (their cta-scope forms)
 
 using jax_mla::cuda::mbar_arrive_expect_tx;
 using jax_mla::cuda::mbar_init;
 using jax_mla::cuda::mbar_init_fence;
 using jax_mla::cuda::smem_addr;
-
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
 
 constexpr int kMaxStages = 8;
 

@@ -34,25 +34,11 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.h"
+#include "mix32.h"
 #include "mla_hopper.cuh"  // the kernels' mbarrier and TMA helpers
 
-using jax_mla::cuda::ld_shared_v4;
-using jax_mla::cuda::mbar_arrive_expect_tx;
-using jax_mla::cuda::mbar_arrive_on_cp_async;
-using jax_mla::cuda::mbar_init;
-using jax_mla::cuda::mbar_init_fence;
-using jax_mla::cuda::mbar_wait;
-using jax_mla::cuda::smem_addr;
-using jax_mla::cuda::tma_load_2d;
-
-#define CHECK(x)                                                                                \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                             \
-    }                                                                                           \
-  } while (0)
+using namespace jax_mla::cuda;
 
 constexpr int kRowsLog2 = 20;
 constexpr int kRows = 1 << kRowsLog2;
@@ -64,19 +50,10 @@ constexpr int kChecked = 4;                       // blocks of every SM whose by
 
 enum Mode { kBox64, kBox16, kCpAsync, kBox1 };
 
-__host__ __device__ inline uint32_t mix(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352du;
-  x ^= x >> 15;
-  x *= 0x846ca68bu;
-  x ^= x >> 16;
-  return x;
-}
-
 // Key k of block b of SM s: its tensor row.
 __device__ __forceinline__ int key_row(int mode, int s, int b, int k) {
-  const uint32_t h = mix((uint32_t)s * 0x9e3779b9u ^ mix((uint32_t)b * 64u + (mode == kBox16 ? (uint32_t)(k >> 4) : (uint32_t)k)));
-  if (mode == kBox64) return (int)((mix((uint32_t)s * 0x9e3779b9u ^ (uint32_t)b) & ((kRows >> 6) - 1)) << 6) + k;
+  const uint32_t h = mix32((uint32_t)s * 0x9e3779b9u ^ mix32((uint32_t)b * 64u + (mode == kBox16 ? (uint32_t)(k >> 4) : (uint32_t)k)));
+  if (mode == kBox64) return (int)((mix32((uint32_t)s * 0x9e3779b9u ^ (uint32_t)b) & ((kRows >> 6) - 1)) << 6) + k;
   if (mode == kBox16) return (int)((h & ((kRows >> 4) - 1)) << 4) + (k & 15);
   return (int)(h & (kRows - 1));
 }
@@ -84,7 +61,7 @@ __device__ __forceinline__ int key_row(int mode, int s, int b, int k) {
 __global__ void fill(uint16_t* data) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < (size_t)kRows * kDims;
        i += (size_t)gridDim.x * blockDim.x)
-    data[i] = (uint16_t)mix((uint32_t)i);
+    data[i] = (uint16_t)mix32((uint32_t)i);
 }
 
 struct Args {

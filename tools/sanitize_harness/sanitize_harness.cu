@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "mla_launch.cuh"
+#include "../mix32.h"
 
 using namespace jax_mla::cuda;
 
@@ -113,17 +114,8 @@ static void run(Problem p, const std::vector<float>& qn, const std::vector<float
   CHECK(cudaStreamDestroy(stream));
 }
 
-
 // ---- timing mode ----------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t mix32(uint32_t x) {
-  x ^= x >> 16;
-  x *= 0x7feb352dU;
-  x ^= x >> 15;
-  x *= 0x846ca68bU;
-  x ^= x >> 16;
-  return x;
-}
 
 template <typename T>
 __global__ void fill_random(T* x, size_t n, uint32_t seed) {

@@ -50,10 +50,12 @@ constexpr int kChecked = 4;                       // blocks of every SM whose by
 
 enum Mode { kBox64, kBox16, kCpAsync, kBox1 };
 
-// Key k of block b of SM s: its tensor row.
+// Key k of block b of SM s: its tensor row. One random draw per run of consecutive keys: the block (box64), its
+// run of 16 (box16), the key itself (pages of one key).
 __device__ __forceinline__ int key_row(int mode, int s, int b, int k) {
-  const uint32_t h = mix32((uint32_t)s * 0x9e3779b9u ^ mix32((uint32_t)b * 64u + (mode == kBox16 ? (uint32_t)(k >> 4) : (uint32_t)k)));
-  if (mode == kBox64) return (int)((mix32((uint32_t)s * 0x9e3779b9u ^ (uint32_t)b) & ((kRows >> 6) - 1)) << 6) + k;
+  const uint32_t run = mode == kBox64 ? 0u : mode == kBox16 ? (uint32_t)(k >> 4) : (uint32_t)k;
+  const uint32_t h = mix32((uint32_t)s * 0x9e3779b9u ^ mix32((uint32_t)b * 64u + run));
+  if (mode == kBox64) return (int)((h & ((kRows >> 6) - 1)) << 6) + k;
   if (mode == kBox16) return (int)((h & ((kRows >> 4) - 1)) << 4) + (k & 15);
   return (int)(h & (kRows - 1));
 }

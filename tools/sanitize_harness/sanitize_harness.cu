@@ -21,19 +21,12 @@
 #include <string>
 #include <vector>
 
-#include "mla_launch.cuh"
+#define JAX_MLA_CHECK_EXIT 2
+#include "../cuda_check.h"
 #include "../mix32.h"
+#include "mla_launch.cuh"
 
 using namespace jax_mla::cuda;
-
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                   \
-    }                                                                                 \
-  } while (0)
 
 template <typename T>
 static T from_float_host(float x);
@@ -115,7 +108,6 @@ static void run(Problem p, const std::vector<float>& qn, const std::vector<float
 }
 
 // ---- timing mode ----------------------------------------------------------------
-
 
 template <typename T>
 __global__ void fill_random(T* x, size_t n, uint32_t seed) {

@@ -37,6 +37,14 @@ def head_blocks(num_heads: int) -> int:
 # heads, and the planner deals units to the least loaded worker (kWalkFromRows).
 WALK_FROM_ROWS = 6
 
+
+def walks_units(num_heads: int, plan_rows: int, workers: int) -> bool:
+    """Whether the CUDA launch walks a plan of this shape (plan_layout.h: WalksUnits): a multiple of
+    ROWS_PER_TILE heads and at least WALK_FROM_ROWS plan rows for each of `workers` (SMs / head blocks).
+    The launch also needs a 16-bit cache on pages of 32+ keys, which a plan does not say; the planner deals
+    by least load wherever this holds, harmless where the kernel then runs in waves (they ignore workers)."""
+    return num_heads % ROWS_PER_TILE == 0 and plan_rows >= WALK_FROM_ROWS * workers
+
 # Powers of two up to kMaxPageSize.
 MAX_PAGE_SIZE = 256
 SUPPORTED_PAGE_SIZES = tuple(1 << i for i in range(MAX_PAGE_SIZE.bit_length()))

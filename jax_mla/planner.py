@@ -601,14 +601,14 @@ def plan_mla_numpy(
         # keeps its own ranks: its tiles' keys differ by more than a block, and its shortest go last.
         order = np.argsort(-u_cost, kind="stable")
         work[:n_units] = work[order]
-        # Their workers (a walk's blocks, plan_layout.h). Where the CUDA kernel walks (a multiple of 64 heads,
-        # WALK_FROM_ROWS plan rows a worker), each unit in turn to the least loaded slot (ties: the lowest),
+        # Their workers (a walk's blocks, plan_layout.h). Where the CUDA kernel walks (plan_layout.walks_units:
+        # a multiple of 64 heads, WALK_FROM_ROWS plan rows a worker), each unit in turn to the least loaded slot (ties: the lowest),
         # as waves hand the next block to the SM that frees first: on ragged batches dealing balanced 1-1.3%
         # worse (ffi/cuda/NOTES.md, "forty-fourth session"). Elsewhere no kernel walks, and the slots are
         # dealt back and forth (round k forwards when k is even, backwards when odd), so that the longest
         # of a round goes with the shortest of the last, without a loop over the units.
         g = max(slots, 1)
-        if num_heads % plan_layout.ROWS_PER_TILE == 0 and n_work >= plan_layout.WALK_FROM_ROWS * g:
+        if plan_layout.walks_units(num_heads, n_work, g):
             loads = [(0, k) for k in range(g)]  # a heap: (load, slot)
             dealt = []
             for c in (u_cost[order] + ovh).tolist():

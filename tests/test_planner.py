@@ -289,13 +289,13 @@ def test_walked_plans_give_each_unit_to_the_least_loaded_worker(planner):
     for n, hi in ((300, 4096), (400, 16384), (512, 8192)):
         kv = np.random.default_rng(n).integers(1, hi + 1, n)
         plan = plan_fn(np.ones(n, int), kv, num_heads=128, page_size=64, target=t)
-        assert plan.work.shape[0] >= P.plan_layout.WALK_FROM_ROWS * 66
+        assert P.plan_layout.walks_units(128, plan.work.shape[0], 66)
         keys = unit_keys(plan, kv) + t.unit_overhead
         assert list(np.asarray(plan.work)[:66, P.W_WORKER]) == list(range(66))
         assert walked_span(plan, kv, t.unit_overhead, 66) == dispatched_span(keys, 66)
     kv = np.random.default_rng(0).integers(1, 4097, 128)
     plan = plan_fn(np.ones(128, int), kv, num_heads=128, page_size=64, target=t)
-    assert plan.work.shape[0] < P.plan_layout.WALK_FROM_ROWS * 66
+    assert not P.plan_layout.walks_units(128, plan.work.shape[0], 66)
     assert list(np.asarray(plan.work)[66:128, P.W_WORKER]) == list(range(65, 3, -1))
 
 

@@ -235,24 +235,23 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
             // every such call walks; -DJAX_MLA_WIDE64_NO_WALK: none (A/B builds; with
             // -DJAX_MLA_WIDE64_WALK_WORKERS=N on N blocks a head block, a test build in which every walk is long).
             if constexpr (kCache == kCacheAsQuery) {
-              if (p.num_heads % Wide64Sm90::ROWS == 0) {
+              static_assert(Wide64Sm90::ROWS == kRowsPerTile, "the walk's head block is a plan tile's rows");
 #ifdef JAX_MLA_WIDE64_WALK_WORKERS
-                const int most = JAX_MLA_WIDE64_WALK_WORKERS;
+              const int most = JAX_MLA_WIDE64_WALK_WORKERS;
 #else
-                const int most = std::max(1, sm_count() / p.head_blocks);
+              const int most = std::max(1, sm_count() / p.head_blocks);
 #endif
 #ifdef JAX_MLA_WIDE64_WALK
-                const bool walk = true;
+              const bool walk = p.num_heads % kRowsPerTile == 0;
 #else
-                const bool walk = (int64_t)p.num_work >= (int64_t)kWalkFromRows * most;
+              const bool walk = WalksUnits(p.num_heads, p.num_work, most);  // plan_layout.h, as the planners
 #endif
-                const QueryTensorMaps qmaps = walk ? query_tensor_maps<T>(p) : QueryTensorMaps{};
-                if (qmaps.enabled) {
-                  const int workers = std::max(1, std::min(p.num_work, most));
-                  return launch_with_smem<mla_attention_wide64_walk_kernel<T>>(
-                      workers * p.head_blocks, Wide64Sm90::kThreads, std::max(kSm90SmemBytes, kWalkSmemBytes), stream,
-                      p, maps, qmaps);
-                }
+              const QueryTensorMaps qmaps = walk ? query_tensor_maps<T>(p) : QueryTensorMaps{};
+              if (qmaps.enabled) {
+                const int workers = std::max(1, std::min(p.num_work, most));
+                return launch_with_smem<mla_attention_wide64_walk_kernel<T>>(
+                    workers * p.head_blocks, Wide64Sm90::kThreads, std::max(kSm90SmemBytes, kWalkSmemBytes), stream,
+                    p, maps, qmaps);
               }
             }
 #endif

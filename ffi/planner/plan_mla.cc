@@ -404,11 +404,11 @@ Plan plan_mla(const PlanRequest& in) {
   WorkRow* work = reinterpret_cast<WorkRow*>(plan.work.data());
   for (int64_t u = 0; u < n_units; ++u) work[u] = units[sorted[u]];
   if (!take_pack) {
-    // planner.py: the longest-first units' workers. Where the CUDA kernel walks (a multiple of 64 heads,
-    // kWalkFromRows plan rows a worker), each unit to the least loaded slot (ties: the lowest); elsewhere
-    // dealt back and forth (round k forwards when k is even, backwards when odd).
+    // planner.py: the longest-first units' workers. Where the CUDA kernel walks (WalksUnits, plan_layout.h:
+    // a multiple of 64 heads, kWalkFromRows plan rows a worker), each unit to the least loaded slot (ties:
+    // the lowest); elsewhere dealt back and forth (round k forwards when k is even, backwards when odd).
     const int64_t g = std::max<int64_t>(slots, 1);
-    if (H % kRowsPerTile == 0 && n_work >= kWalkFromRows * g) {
+    if (WalksUnits(H, n_work, g)) {
       // A min-heap of (load, slot), its top replaced and sifted down (Python's heapreplace); the slots make
       // every key distinct, so the least is the same whichever heap holds them.
       using Load = std::pair<int64_t, int64_t>;

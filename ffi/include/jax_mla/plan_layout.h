@@ -82,6 +82,16 @@ constexpr int64_t HeadBlocks(int64_t num_heads) { return (num_heads + kRowsPerTi
 // worker (SMs / head blocks), and there the planner deals the units to the least loaded worker.
 constexpr int kWalkFromRows = 6;
 
+// The walk's rule on the plan's shape, the one place the launch (mla_launch.cuh) and both planners
+// (ffi/planner/plan_mla.cc, jax_mla/planner.py: walks_units) read it: a multiple of kRowsPerTile heads and
+// at least kWalkFromRows plan rows for each of `workers` (SMs / head blocks). The launch also needs what a
+// plan does not say: a 16-bit cache on pages of 32 keys or more. The planners deal by least load wherever
+// this holds, also for an fp8 cache or small pages; there the kernel runs in waves, which ignore a unit's
+// worker, so the deal costs nothing but its host time.
+constexpr bool WalksUnits(int64_t num_heads, int64_t plan_rows, int64_t workers) {
+  return num_heads % kRowsPerTile == 0 && plan_rows >= (int64_t)kWalkFromRows * workers;
+}
+
 // Page sizes: powers of two from 1 to kMaxPageSize.
 constexpr int kMaxPageSize = 256;
 

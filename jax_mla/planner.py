@@ -602,9 +602,9 @@ def plan_mla_numpy(
         order = np.argsort(-u_cost, kind="stable")
         work[:n_units] = work[order]
         # Their workers (a walk's blocks, plan_layout.h). Where the CUDA kernel walks (plan_layout.walks_units:
-        # a multiple of 64 heads, WALK_FROM_ROWS plan rows a worker), each unit in turn to the least loaded slot (ties: the lowest),
-        # as waves hand the next block to the SM that frees first: on ragged batches dealing balanced 1-1.3%
-        # worse (ffi/cuda/NOTES.md, "forty-fourth session"). Elsewhere no kernel walks, and the slots are
+        # a multiple of 64 heads, WALK_FROM_ROWS plan rows a worker), each unit in turn to the least loaded
+        # slot (ties: the lowest), as waves hand the next block to the SM that frees first: on ragged batches
+        # dealing balanced 1-1.3% worse (ffi/cuda/NOTES.md, "forty-fourth session"). Elsewhere no kernel walks, and the slots are
         # dealt back and forth (round k forwards when k is even, backwards when odd), so that the longest
         # of a round goes with the shortest of the last, without a loop over the units.
         g = max(slots, 1)

@@ -471,8 +471,10 @@ def fp8_errors(inp: Inputs, plan, ours):
 
 
 def calls_for(s, copy_bps):
-    _, nbytes = work_of(s)
-    est = nbytes / (0.7 * copy_bps) + 8e-6
+    """(calls of the short chain, calls of the long one): the long one ~4 ms of estimated device time, from
+    the bytes at 70% of the copy ceiling or the FLOPs at ~525 TFLOP/s (extend shapes), whichever is more."""
+    flops, nbytes = work_of(s)
+    est = max(nbytes / (0.7 * copy_bps), flops / 525e12) + 8e-6
     k2 = int(min(100, max(8, round(4e-3 / est))))
     return max(2, k2 // 4), k2
 

@@ -14,7 +14,8 @@ Tags:
   ``small``    the short correctness set: compute-sanitizer's cases, and run on every backend in CI;
   ``fp8``      fp8-cache benchmark shapes, timed beside the bf16 cache of the same shape;
   ``pages``    wide units on pages under 32 keys (blocks gathered by cp.async, or TMA boxes of one page on
-               pages of 8-16 keys), which the driver times.
+               pages of 8-16 keys), which the driver times;
+  ``extend``   many query tokens a request (chunked prefill, long verify) over a paged prefix, causal.
 
 A length is an int (every request), a tuple (one per request) or a `Uniform` draw per request.
 """
@@ -212,6 +213,11 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # ... and a ragged one: 300 requests at 128 heads, a plan of 512 rows, walked (kWalkFromRows), each unit
     # dealt to the least loaded worker (forty-fourth session)
     ArgSpec(128, 64, 1, Uniform(1, 4096, 9), batch=300, tags=_tags("walk", "extra")),
+    # ---- extend: many query tokens a request over a paged prefix, causal (chunked prefill and long speculative
+    # verify through the absorbed op); each request's queries see its whole prefix, so these are compute-bound
+    ArgSpec(16, 64, 128, 4096, batch=16, tags=_tags("extend", "extra")),
+    ArgSpec(128, 64, 64, 4096, batch=8, tags=_tags("extend", "extra")),
+    ArgSpec(32, 64, Uniform(16, 256, 5), Uniform(1024, 8192, 5), batch=16, tags=_tags("extend", "extra")),
     # ---- planner sweep only
     ArgSpec(16, 64, 1, 8192, batch=8, tags=_tags("planner")),
     ArgSpec(128, 64, 1, 2048, batch=16, tags=_tags("planner")),

@@ -537,9 +537,10 @@ def plan_mla_numpy(
     # once. Packed one by one, the tiles of a request were cut at different keys and read them at
     # different times (up to thousands of keys apart, more than L2 holds across the workers). Requests of
     # different tile counts (a ragged q_len) pack onto lanes of their own width, widest first, the narrower
-    # going on where the wider left off (`_pack_groups_at`). A group's tiles see at most (g - 1) * q_tile keys fewer than its last, less
-    # than a cut piece (min_chunk), so each of its units but the last (open-ended) ends within its own
-    # tile. Where the groups do not pack well, the tiles are packed one by one.
+    # going on where the wider left off (`_pack_groups_at`). A group's tiles see at most (g - 1) * q_tile
+    # keys fewer than its last, less than a cut piece (min_chunk), so each of its units but the last
+    # (open-ended) ends within its own tile. Where the groups do not pack well, the tiles are packed one by
+    # one.
     packed = None
     if chunk:  # equal parts of each tile, aligned
         n_split = np.maximum(1, -(-tile_kv // chunk))
@@ -604,9 +605,10 @@ def plan_mla_numpy(
         # Their workers (a walk's blocks, plan_layout.h). Where the CUDA kernel walks (plan_layout.walks_units:
         # a multiple of 64 heads, WALK_FROM_ROWS plan rows a worker), each unit in turn to the least loaded
         # slot (ties: the lowest), as waves hand the next block to the SM that frees first: on ragged batches
-        # dealing balanced 1-1.3% worse (ffi/cuda/NOTES.md, "forty-fourth session"). Elsewhere no kernel walks, and the slots are
-        # dealt back and forth (round k forwards when k is even, backwards when odd), so that the longest
-        # of a round goes with the shortest of the last, without a loop over the units.
+        # dealing balanced 1-1.3% worse (ffi/cuda/NOTES.md, "forty-fourth session"). Elsewhere no kernel
+        # walks, and the slots are dealt back and forth (round k forwards when k is even, backwards when
+        # odd), so that the longest of a round goes with the shortest of the last, without a loop over the
+        # units.
         g = max(slots, 1)
         if plan_layout.walks_units(num_heads, n_work, g):
             loads = [(0, k) for k in range(g)]  # a heap: (load, slot)

@@ -7,9 +7,11 @@
 # CSVs with tools/ncu_source.py.
 #
 #   SHAPE=time1 FM_SHAPE=3 OUT=$OUT bash scripts/ncu_peer.sh     # (carry .peer)
+#   PAIRS="time1:3 time2:5" OUT=$OUT bash scripts/ncu_peer.sh    # several shapes, one build
 #
 # SHAPE: the prefix of a `cases.py timing --tag wide` file (time1 = 128 x 4096 x 128 heads); FM_SHAPE:
-# the index of the same shape in .peer/flashmla/bench.py's SHAPES (3 = 128x4096 h128 q1).
+# the index of the same shape in .peer/flashmla/bench.py's SHAPES (3 = 128x4096 h128 q1). PAIRS: SHAPE:FM_SHAPE
+# pairs (time2:5 = our 128 x 4096 h32 beside FlashMLA's 128x4096 h16 q2: both 32 rows a unit, the same keys).
 set -u
 cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/local/cuda/bin PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -23,23 +25,28 @@ if [ -f $fm/bench.py ] && ls .peer/flashinfer_python-*.tar.gz > /dev/null 2>&1; 
 fi
 bash scripts/build_driver.sh "$R/driver" > "$R/driver_build.log" 2>&1 || { tail "$R/driver_build.log"; exit 1; }
 JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "$R/cases" --tag wide > "$R/cases.log" 2>&1
-case_file=$(ls "$R/cases/${SHAPE:-time1}"_*.bin | head -1)
 NCU="ncu --clock-control none --set full --import-source yes"
-timeout 200 $NCU -k "regex:mla_attention_(sm90|wide64_walk)_kernel" --launch-skip 8 --launch-count 1 -o "$R/ours" \
-  "$R/driver" --time "$case_file" > "$R/ncu_ours.log" 2>&1
-echo "ours ($case_file): ncu rc=$?"
-wait
-if [ -f $fm/bench.py ]; then
-  tail -1 "$R/fm_build.log"
-  ( cd $fm && timeout 200 $NCU -k regex:splitkv_mla --launch-count 1 -o "$R/flashmla" python3 bench.py \
-      --only "${FM_SHAPE:-3}" --no-check --reps 1 --min-calls 1 --quiet-build ) > "$R/ncu_flashmla.log" 2>&1
-  echo "flashmla: ncu rc=$?"
-fi
-for r in ours flashmla; do
-  [ -f "$R/$r.ncu-rep" ] || continue
-  ncu -i "$R/$r.ncu-rep" --page details > "$R/${r}_details.txt" 2>&1
-  ncu -i "$R/$r.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip > "$R/${r}_sass.csv.gz"
-  ncu -i "$R/$r.ncu-rep" --page raw --csv 2>&1 | gzip > "$R/${r}_raw.csv.gz"
+for pair in ${PAIRS:-${SHAPE:-time1}:${FM_SHAPE:-3}}; do
+  ours=${pair%%:*} fm_shape=${pair##*:}
+  case_file=$(ls "$R/cases/${ours}"_*.bin | head -1)
+  timeout 200 $NCU -k "regex:mla_attention_(sm90|wide64_walk)_kernel" --launch-skip 8 --launch-count 1 \
+    -o "$R/ours_$ours" "$R/driver" --time "$case_file" > "$R/ncu_ours_$ours.log" 2>&1
+  echo "ours ($case_file): ncu rc=$?"
+  wait  # FlashMLA's build, the first time
+  if [ -f $fm/bench.py ]; then
+    tail -1 "$R/fm_build.log"
+    ( cd $fm && timeout 200 $NCU -k regex:splitkv_mla --launch-count 1 -o "$R/flashmla_$fm_shape" python3 bench.py \
+        --only "$fm_shape" --no-check --reps 1 --min-calls 1 --quiet-build ) > "$R/ncu_flashmla_$fm_shape.log" 2>&1
+    echo "flashmla ($fm_shape): ncu rc=$?"
+  fi
+done
+for rep in "$R"/*.ncu-rep; do
+  [ -f "$rep" ] || continue
+  r=$(basename "$rep" .ncu-rep)
+  ncu -i "$rep" --page details > "$R/${r}_details.txt" 2>&1
+  ncu -i "$rep" --page source --csv --print-source sass 2>&1 | gzip > "$R/${r}_sass.csv.gz"
+  ncu -i "$rep" --page raw --csv 2>&1 | gzip > "$R/${r}_raw.csv.gz"
+  echo "== $r"
   grep -E "Duration|SM Frequency|Elapsed Cycles|Executed Ipc Active|No Eligible|Registers Per" "$R/${r}_details.txt"
 done
 tar czf "$OUT/ncu_peer.tar.gz" --exclude="*.ncu-rep" -C /tmp ncu_peer  # the reports are 5-15 MB each

@@ -1,0 +1,32 @@
+"""benchmarks/call_anatomy.py's split of a chain's kernel timestamps (no GPU: synthetic traces)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import call_anatomy  # noqa: E402
+
+
+def test_per_call_splits_kernels_gaps_and_spans():
+    # two chains of 3 calls: attention 10 us, merge 2 us starting 8 us in, next attention 1 us after the merge
+    kernels = []
+    for chain, t0 in enumerate((0.0, 1000.0)):
+        t = t0
+        for _ in range(3):
+            kernels += [("attn", t, 10.0), ("merge", t + 8.0, 3.0 + chain)]
+            t += 12.0 + chain
+    rec = call_anatomy.per_call(sorted(kernels, key=lambda k: k[1]), lambda n: n == "attn", 3)
+    assert rec["main_kernels"] == 6 and rec["other_kernels"] == 6
+    assert rec["main_us"] == 10.0
+    assert rec["other_us"] == pytest.approx(3.5)
+    assert rec["gap_us"] == pytest.approx(2.5)  # 2.0 in the first chain, 3.0 in the second
+    # span: first attention start to the last kernel's end, over the calls: (2 * 12 + 11) / 3, (2 * 13 + 12) / 3
+    assert rec["span_us"] == pytest.approx(((24 + 11) / 3 + (26 + 12) / 3) / 2)
+
+
+def test_parse_shape():
+    assert call_anatomy.parse_shape("128x4096h128q1") == (128, 4096, 128, 1)
+    with pytest.raises(ValueError, match="128x4096h128q1"):
+        call_anatomy.parse_shape("128x4096")

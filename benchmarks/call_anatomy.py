@@ -22,8 +22,6 @@ Page size 64 and one q_len a batch (FlashMLA's limits).
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import math
 import os
@@ -70,9 +68,9 @@ def per_call(kernels, is_main, calls):
 
 
 def run_ours(shape, calls, reps, power_s):
-    import jax
-    import bench_attention as ba  # sets the benchmark's XLA_FLAGS (command buffers) before JAX starts
+    import bench_attention as ba  # first: it sets the benchmark's XLA_FLAGS (command buffers) before JAX starts
     import gpu_power
+    import jax
     b, l, h, q = shape
     inp = ba.Inputs((b, l, h, PAGE, q), calls)
     plan = inp.plan()

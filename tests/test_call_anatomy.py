@@ -30,3 +30,15 @@ def test_parse_shape():
     assert call_anatomy.parse_shape("128x4096h128q1") == (128, 4096, 128, 1)
     with pytest.raises(ValueError, match="128x4096h128q1"):
         call_anatomy.parse_shape("128x4096")
+
+
+def test_ours_runs_end_to_end():
+    # The script's JAX path end to end (inputs, plan, jitted chain, profiler trace, split). On the CPU no CUDA
+    # kernel is in the trace, so nothing is timed; on a GPU every call's attention kernel is.
+    import jax
+    rec = call_anatomy.run_ours((2, 128, 16, 1), calls=2, reps=1, power_s=0)
+    assert "MLAPlan" in rec["plan"]
+    if jax.default_backend() == "gpu":
+        assert rec["burst"]["main_kernels"] == 2 and rec["burst"]["main_us"] > 0
+    else:
+        assert rec["burst"]["main_kernels"] == 0 and rec["burst"]["main_us"] is None

@@ -42,3 +42,9 @@ def test_ours_runs_end_to_end():
         assert rec["burst"]["main_kernels"] == 2 and rec["burst"]["main_us"] > 0
     else:
         assert rec["burst"]["main_kernels"] == 0 and rec["burst"]["main_us"] is None
+
+
+def test_flashmla_inputs_cycle_as_many_cache_copies_as_ours(bench_attention):
+    # The torch-only FlashMLA side keeps its own copy of the benchmark's constants; they must not drift apart.
+    assert call_anatomy.L2_BYTES == bench_attention.L2_BYTES
+    assert (call_anatomy.D_CKV, call_anatomy.D_KPE) == (bench_attention.D_CKV, bench_attention.D_KPE)

@@ -14,8 +14,9 @@ read as cycles.
 One JSON line per run on stdout (the last line). `ours` runs the op's jitted chain under JAX's profiler, with
 the benchmark's inputs (bench_attention.Inputs: random data, a random page permutation, cache copies cycled
 past L2); `flashmla` imports torch only (no JAX in that process: two CUPTI clients in one process are not
-tried), draws the same kind of inputs in its own layout and runs eager calls under torch's profiler (eager:
-a graph's kernel nodes may not show in its trace; the launches stay ahead of the device at these sizes).
+tried), draws the same kind of inputs in its own layout and runs its calls under torch's profiler, eagerly
+("burst", "sustained": the launches stay ahead of the device at these sizes) and as one CUDA graph, as the
+benchmark times them ("burst_graph": empty where the profiler shows no graph kernel nodes).
 Page size 64 and one q_len a batch (FlashMLA's limits).
 """
 
@@ -147,6 +148,13 @@ def run_flashmla(shape, calls, reps, power_s, kit_dir):
 
     rec = dict(sm_parts=int(meta.shape[0]))
     rec["burst"], _, rec["kernel_names"] = traced(lambda: [(chain(), torch.cuda.synchronize()) for _ in range(reps)])
+    # As the benchmark times it: the chain as one CUDA graph (empty where the profiler shows no graph kernel nodes).
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        chain()
+    g.replay()
+    torch.cuda.synchronize()
+    rec["burst_graph"], _, _ = traced(lambda: [(g.replay(), torch.cuda.synchronize()) for _ in range(reps)])
     if power_s:
         rec["sustained"], rec["power"], _ = traced(
             lambda: gpu_power.sample_back_to_back(chain, lambda _: torch.cuda.synchronize(), power_s))

@@ -6,12 +6,13 @@
 # benchmark JSON and the roofline land in $OUT (default /tmp/jax_mla_out).
 #
 #   scripts/gpu_check.sh [build] [decode] [hostprofile] [check|quickcheck] [test] [sanitize] [parallel] [timing]
-#                        [bench] [sweep]
+#                        [bench] [sweep] [anatomy]
 #   (no arguments: all but sweep; PYTEST_PATHS, PYTEST_ARGS narrow the tests, SANITIZE_WIDE=1 the
 #   sanitizers' cases, HARNESS / SANITIZE_TOOLS / SANITIZER_ARGS their driver, tools and options,
 #   TEST_XLA_FLAGS the tests' XLA flags (TEST_JAX_CACHE: tests/conftest.py); a failed check skips
 #   the steps after it unless KEEP_GOING is set; each timed step ends with a line "NAME exit RC", which
-#   says when a timeout or a signal ended it)
+#   says when a timeout or a signal ended it; anatomy: benchmarks/call_anatomy.py on ANATOMY_SHAPES, ours
+#   then FlashMLA's, ANATOMY_ROUNDS rounds, one JSON line a run in $OUT/anatomy.jsonl)
 #
 # FlashInfer 0.2.5 for the benchmark's peers: its sdist in .peer/ (git-ignored;
 # `pip download --no-deps flashinfer-python==0.2.5 -d .peer`), installed here
@@ -33,6 +34,8 @@ steps=${*:-build check test sanitize bench}
 : "${TEST_TIMEOUT:=300}"
 : "${PARALLEL_TIMEOUT:=300}"
 : "${BENCH_TIMEOUT:=400}"
+: "${ANATOMY_TIMEOUT:=300}"
+: "${ANATOMY_SHAPES:=128x4096h128q1 128x4096h32q1 128x4096h16q1}"
 has() { [[ " $steps " == *" $1 "* ]]; }
 status=0
 note() { echo "== $* ($(date +%T))" | tee -a "$LOGS/summary.txt"; }
@@ -82,7 +85,8 @@ fi
 # FlashInfer sdist, then its JIT build in the background (~110 s on 16 cores).
 fm_pid=
 fm_dir=.peer/flashmla
-if (has bench || has sweep) && [ -f $fm_dir/bench.py ] && ls .peer/flashinfer_python-*.tar.gz > /dev/null 2>&1; then
+if (has bench || has sweep || has anatomy) && [ -f $fm_dir/bench.py ] \
+    && ls .peer/flashinfer_python-*.tar.gz > /dev/null 2>&1; then
   (
     bash $fm_dir/extract.sh "$(realpath "$(ls .peer/flashinfer_python-*.tar.gz | head -1)")" && \
       MAX_JOBS=12 TORCH_CUDA_ARCH_LIST=9.0a python3 -c "import sys; sys.path.insert(0, '$fm_dir'); import bench; bench.build(verbose=False)"
@@ -205,6 +209,26 @@ if (has bench || has sweep) && [ $built -eq 0 ]; then
   timeout $BENCH_TIMEOUT python3 benchmarks/bench_attention.py --out "$OUT" $args 2>&1 | tee "$LOGS/bench.log" \
     | grep -v "^  \|INFO" | tail -45
   finished "bench" "${PIPESTATUS[0]}" $BENCH_TIMEOUT || status=1
+fi
+
+if has anatomy && [ $built -eq 0 ]; then
+  # Where a call's device time goes, kernel by kernel, ours beside FlashMLA's (ffi/cuda/NOTES.md, "forty-eighth
+  # session"): each run its own process, the sides interleaved; the step stops starting runs at its time limit.
+  note "call_anatomy $ANATOMY_SHAPES"
+  whos=ours; [ -f $fm_dir/bench.py ] && whos="ours flashmla"
+  t0=$(date +%s) anatomy_rc=0
+  for round in $(seq ${ANATOMY_ROUNDS:-2}); do
+    for shape in $ANATOMY_SHAPES; do
+      for who in $whos; do
+        [ $(( $(date +%s) - t0 )) -lt $ANATOMY_TIMEOUT ] || break 3
+        timeout 120 python3 benchmarks/call_anatomy.py --who $who --shape $shape --flashmla $fm_dir \
+          2>> "$LOGS/anatomy_$who.log" | tail -1 | tee -a "$OUT/anatomy.jsonl" | cut -c1-400
+        rc=${PIPESTATUS[0]}
+        [ $rc -eq 0 ] || { echo "call_anatomy $who $shape exit $rc (logs/anatomy_$who.log)"; anatomy_rc=1; }
+      done
+    done
+  done
+  finished "anatomy" $anatomy_rc $ANATOMY_TIMEOUT || status=1
 fi
 
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"

@@ -75,6 +75,7 @@ from jax_mla.arg_specs import Uniform, arg_specs  # noqa: E402
 from jax_mla.planner import full_tiles_by_tma  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import call_anatomy  # noqa: E402  (a chain's kernels split per call)
 import gpu_power  # noqa: E402
 
 D_CKV, D_KPE = 512, 64
@@ -256,38 +257,41 @@ def our_kernel(name):
     return "attention" if m else None
 
 
+def traced_kernels(body):
+    """(body(), our kernels in the JAX profiler's trace of it as (name, start us, duration us) in start order),
+    the second None where the trace holds no events."""
+    d = tempfile.mkdtemp(prefix="jax_mla_trace_")
+    try:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            out = body()
+        events = _trace_kernels(d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    if not events:
+        return out, None
+    return out, sorted(((e["name"], float(e["ts"]), float(e["dur"])) for e in events if our_kernel(e["name"])),
+                       key=lambda kernel: kernel[1])
+
+
 def device_time_ours(inp: Inputs, plan, k, reps=7):
     """Seconds per call on the device (module docstring), or None without kernel timestamps."""
     f = _chain(k, inp.n_sets, inp.fp8_products)
     a = _chain_args(inp, plan, k)
     jax.block_until_ready(f(*a))
-    d = tempfile.mkdtemp(prefix="jax_mla_trace_")
     try:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(reps):
-                jax.block_until_ready(f(*a))
-        events = _trace_kernels(d)
+        _, kernels = traced_kernels(lambda: [jax.block_until_ready(f(*a)) for _ in range(reps)])
     except Exception as e:  # no profiler plugin / CUPTI: the caller falls back to wall time
         print(f"  device trace unavailable: {type(e).__name__}: {e}", flush=True)
-        events = None
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-    if not events:
+        kernels = None
+    if kernels is None:
         return None
-    kinds = [(e, our_kernel(e["name"])) for e in events]
-    ours = sorted((e for e, kind in kinds if kind), key=lambda e: e["ts"])
-    starts = sorted(e["ts"] for e, kind in kinds if kind == "attention")
-    if len(starts) != k * reps:
-        print(f"  device trace: {len(starts)} attention kernels, not {k} x {reps}: timing falls back to wall",
-              flush=True)
+    is_attention = lambda name: our_kernel(name) == "attention"
+    n = sum(is_attention(name) for name, _, _ in kernels)
+    if n != k * reps:
+        print(f"  device trace: {n} attention kernels, not {k} x {reps}: timing falls back to wall", flush=True)
         return None
-    spans = []
-    for r in range(reps):
-        lo = starts[r * k]
-        hi = starts[(r + 1) * k] if r + 1 < reps else math.inf
-        end = max(e["ts"] + e["dur"] for e in ours if lo <= e["ts"] < hi)
-        spans.append((end - lo) / k)
-    return statistics.median(spans) * 1e-6
+    # each chain's span (its first attention kernel's start to its last kernel's end) over its calls, median
+    return call_anatomy.per_call(kernels, is_attention, k)["span_us"] * 1e-6
 
 
 def ours_output(inp: Inputs, plan):

@@ -80,16 +80,8 @@ def run_ours(shape, calls, reps, power_s):
         jax.block_until_ready(f(*a))
 
     def traced(body):
-        d = tempfile.mkdtemp(prefix="anatomy_")
-        try:
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                out = body()
-            events = ba._trace_kernels(d) or []
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-        kernels = sorted(((e["name"], float(e["ts"]), float(e["dur"])) for e in events
-                          if ba.our_kernel(e["name"])), key=lambda k: k[1])
-        return per_call(kernels, lambda n: ba.our_kernel(n) == "attention", calls), out
+        out, kernels = ba.traced_kernels(body)
+        return per_call(kernels or [], lambda n: ba.our_kernel(n) == "attention", calls), out
 
     rec = dict(plan=plan.describe())
     rec["burst"], _ = traced(lambda: [jax.block_until_ready(f(*a)) for _ in range(reps)])

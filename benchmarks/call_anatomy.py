@@ -68,13 +68,13 @@ def per_call(kernels, is_main, calls):
                 gap_us=med(gaps), span_us=med(spans), main_kernels=len(mains), other_kernels=len(others))
 
 
-def run_ours(shape, calls, reps, power_s):
+def run_ours(shape, calls, reps, power_s, min_work_units=None):
     import bench_attention as ba  # first: it sets the benchmark's XLA_FLAGS (command buffers) before JAX starts
     import gpu_power
     import jax
     b, l, h, q = shape
     inp = ba.Inputs((b, l, h, PAGE, q), calls)
-    plan = inp.plan()
+    plan = inp.plan(min_work_units=min_work_units)
     f, a = ba._chain(calls, inp.n_sets), ba._chain_args(inp, plan, calls)
     for _ in range(2):
         jax.block_until_ready(f(*a))
@@ -161,13 +161,17 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="chains traced")
     ap.add_argument("--power", type=float, default=1.5, help="seconds back to back for the clock (0: none)")
     ap.add_argument("--flashmla", default=".peer/flashmla", help="the FlashMLA peer kit")
+    ap.add_argument("--min-work-units", type=int, default=None,
+                    help="ours: the plan's smallest work-table bucket (e.g. 512 at 128 heads: a plan the launch walks)")
     args = ap.parse_args()
     shape = parse_shape(args.shape)
     if args.who == "ours":
-        rec = run_ours(shape, args.calls, args.reps, args.power)
+        rec = run_ours(shape, args.calls, args.reps, args.power, args.min_work_units)
     else:
         rec = run_flashmla(shape, args.calls, args.reps, args.power, args.flashmla)
     rec.update(who=args.who, shape=args.shape, calls=args.calls, reps=args.reps)
+    if args.min_work_units is not None:
+        rec["min_work_units"] = args.min_work_units
     clock = (rec.get("power") or {}).get("sm_MHz_median")
     if clock and (rec.get("sustained") or {}).get("main_us"):
         rec["sustained_main_kcycles"] = rec["sustained"]["main_us"] * clock / 1e3

@@ -42,9 +42,31 @@ def test_ours_runs_end_to_end():
         assert rec["burst"]["main_kernels"] == 2 and rec["burst"]["main_us"] > 0
     else:
         assert rec["burst"]["main_kernels"] == 0 and rec["burst"]["main_us"] is None
+    # --min-work-units: the plan's work-table bucket (a plan the launch walks at 64+ heads)
+    walked = call_anatomy.run_ours((2, 128, 64, 1), calls=1, reps=1, power_s=0, min_work_units=512)
+    assert "/512," in walked["plan"]
 
 
 def test_flashmla_inputs_cycle_as_many_cache_copies_as_ours(bench_attention):
     # The torch-only FlashMLA side keeps its own copy of the benchmark's constants; they must not drift apart.
     assert call_anatomy.L2_BYTES == bench_attention.L2_BYTES
     assert (call_anatomy.D_CKV, call_anatomy.D_KPE) == (bench_attention.D_CKV, bench_attention.D_KPE)
+
+
+def test_trace_keeps_only_the_devices_timelines(bench_attention, tmp_path):
+    # A trace with a device process and a host process, both holding an event named after our attention kernel:
+    # only the device's counts. A trace that names no device process (the CPU backend) keeps every event.
+    import gzip
+    import json
+    name = "void jax_mla::cuda::mla_attention_sm90_kernel<...>"
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    events = [{"ph": "X", "name": name, "pid": 1, "tid": 7, "ts": 10.0, "dur": 250.0},
+              {"ph": "X", "name": name, "pid": 2, "tid": 3, "ts": 5.0, "dur": 1.1}]
+    for sub, trace in (("both", meta + events), ("host_only", meta[1:] + events)):
+        d = tmp_path / sub / "plugins" / "profile" / "run"
+        d.mkdir(parents=True)
+        with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+            json.dump({"traceEvents": trace}, f)
+        kept = bench_attention._trace_kernels(str(tmp_path / sub))
+        assert [e["dur"] for e in kept] == ([250.0] if sub == "both" else [250.0, 1.1])

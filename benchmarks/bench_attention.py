@@ -52,6 +52,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION,CUSTO
                                    "--xla_gpu_graph_min_graph_size=1")
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import glob  # noqa: E402
@@ -237,7 +238,8 @@ def time_ours(inp: Inputs, plan, k1, k2, reps=9):
 
 
 def _trace_kernels(trace_dir):
-    """Complete events of the Perfetto trace JAX's profiler wrote under trace_dir (None if none)."""
+    """Complete events of the Perfetto trace JAX's profiler wrote under trace_dir (None if none), of the devices'
+    processes only where the trace names any."""
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))
     if not paths:
         return None
@@ -248,8 +250,17 @@ def _trace_kernels(trace_dir):
     # ~1 us named after our kernels beside the 80 kernels of its 5 x 16 calls (forty-ninth session, NOTES.md).
     devices = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                and str((e.get("args") or {}).get("name", "")).startswith("/device:")}
-    return [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e
-            and (not devices or e.get("pid") in devices)]
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+    if not devices:
+        return complete
+    off = collections.Counter(e.get("pid") for e in complete
+                              if e.get("pid") not in devices and our_kernel(e.get("name", "")))
+    if off:
+        names = {e.get("pid"): (e.get("args") or {}).get("name") for e in events
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        print("  trace: left out events named after our kernels off the device timelines: "
+              + ", ".join(f"{n} in {names.get(pid, pid)}" for pid, n in off.items()), flush=True)
+    return [e for e in complete if e.get("pid") in devices]
 
 
 def our_kernel(name):

@@ -53,7 +53,7 @@ def test_flashmla_inputs_cycle_as_many_cache_copies_as_ours(bench_attention):
     assert (call_anatomy.D_CKV, call_anatomy.D_KPE) == (bench_attention.D_CKV, bench_attention.D_KPE)
 
 
-def test_trace_keeps_only_the_devices_timelines(bench_attention, tmp_path):
+def test_trace_keeps_only_the_devices_timelines(bench_attention, tmp_path, capsys):
     # A trace with a device process and a host process, both holding an event named after our attention kernel:
     # only the device's counts. A trace that names no device process (the CPU backend) keeps every event.
     import gzip
@@ -70,3 +70,5 @@ def test_trace_keeps_only_the_devices_timelines(bench_attention, tmp_path):
             json.dump({"traceEvents": trace}, f)
         kept = bench_attention._trace_kernels(str(tmp_path / sub))
         assert [e["dur"] for e in kept] == ([250.0] if sub == "both" else [250.0, 1.1])
+        said = capsys.readouterr().out
+        assert ("1 in /host:CPU" in said) == (sub == "both")

@@ -248,16 +248,15 @@ def _trace_kernels(trace_dir):
     events = data["traceEvents"] if isinstance(data, dict) else data
     # Only the devices' timelines where the trace names them: call_anatomy's first GPU run found 64 events of
     # ~1 us named after our kernels beside the 80 kernels of its 5 x 16 calls (forty-ninth session, NOTES.md).
-    devices = {e.get("pid") for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-               and str((e.get("args") or {}).get("name", "")).startswith("/device:")}
+    names = {e.get("pid"): str((e.get("args") or {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    devices = {pid for pid, name in names.items() if name.startswith("/device:")}
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
     if not devices:
         return complete
     off = collections.Counter(e.get("pid") for e in complete
                               if e.get("pid") not in devices and our_kernel(e.get("name", "")))
     if off:
-        names = {e.get("pid"): (e.get("args") or {}).get("name") for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
         print("  trace: left out events named after our kernels off the device timelines: "
               + ", ".join(f"{n} in {names.get(pid, pid)}" for pid, n in off.items()), flush=True)
     return [e for e in complete if e.get("pid") in devices]

@@ -273,6 +273,11 @@ def our_kernel(name):
     return "attention" if m else None
 
 
+def our_attention_kernel(name):
+    """Whether a kernel of the trace is one of our attention kernels (a call's main kernel)."""
+    return our_kernel(name) == "attention"
+
+
 def traced_kernels(body):
     """(body(), our kernels in the JAX profiler's trace of it as (name, start us, duration us) in start order),
     the second None where the trace holds no events."""
@@ -301,13 +306,12 @@ def device_time_ours(inp: Inputs, plan, k, reps=7):
         kernels = None
     if kernels is None:
         return None
-    is_attention = lambda name: our_kernel(name) == "attention"
-    n = sum(is_attention(name) for name, _, _ in kernels)
+    n = sum(our_attention_kernel(name) for name, _, _ in kernels)
     if n != k * reps:
         print(f"  device trace: {n} attention kernels, not {k} x {reps}: timing falls back to wall", flush=True)
         return None
     # each chain's span (its first attention kernel's start to its last kernel's end) over its calls, median
-    return call_anatomy.per_call(kernels, is_attention, k)["span_us"] * 1e-6
+    return call_anatomy.per_call(kernels, our_attention_kernel, k)["span_us"] * 1e-6
 
 
 def ours_output(inp: Inputs, plan):

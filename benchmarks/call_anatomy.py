@@ -81,7 +81,7 @@ def run_ours(shape, calls, reps, power_s, min_work_units=None):
 
     def traced(body):
         out, kernels = ba.traced_kernels(body)
-        return per_call(kernels or [], lambda n: ba.our_kernel(n) == "attention", calls), out
+        return per_call(kernels or [], ba.our_attention_kernel, calls), out
 
     rec = dict(plan=plan.describe())
     rec["burst"], _ = traced(lambda: [jax.block_until_ready(f(*a)) for _ in range(reps)])

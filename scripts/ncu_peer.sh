@@ -12,6 +12,8 @@
 # SHAPE: the prefix of a `cases.py timing --tag wide` file (time1 = 128 x 4096 x 128 heads); FM_SHAPE:
 # the index of the same shape in .peer/flashmla/bench.py's SHAPES (3 = 128x4096 h128 q1). PAIRS: SHAPE:FM_SHAPE
 # pairs (time2:5 = our 128 x 4096 h32 beside FlashMLA's 128x4096 h16 q2: both 32 rows a unit, the same keys).
+# NCU_CACHE: ncu's --cache-control (all: caches flushed before the profiled launch, ncu's default; none: the
+# launch finds the caches as the launches before it left them, closer to a chain of calls).
 set -u
 cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/local/cuda/bin PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -25,7 +27,7 @@ if [ -f $fm/bench.py ] && ls .peer/flashinfer_python-*.tar.gz > /dev/null 2>&1; 
 fi
 bash scripts/build_driver.sh "$R/driver" > "$R/driver_build.log" 2>&1 || { tail "$R/driver_build.log"; exit 1; }
 JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "$R/cases" --tag wide > "$R/cases.log" 2>&1
-NCU="ncu --clock-control none --set full --import-source yes"
+NCU="ncu --clock-control none --cache-control ${NCU_CACHE:-all} --set full --import-source yes"
 for pair in ${PAIRS:-${SHAPE:-time1}:${FM_SHAPE:-3}}; do
   ours=${pair%%:*} fm_shape=${pair##*:}
   case_file=$(ls "$R/cases/${ours}"_*.bin | head -1)

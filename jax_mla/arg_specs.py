@@ -332,6 +332,9 @@ ARG_SPECS: tuple[ArgSpec, ...] = (
     # 16 heads x 2-4 tokens (32-64 rows) on pages of 2 keys, fp16, split, a partial last block
     ArgSpec(128, 1, (2, 1), (1413, 333), bad_pages=True, whole=True, tags=_tags("small", "sweep")),
     ArgSpec(16, 2, (2, 4, 1), (700, 129, 300), dtype="float16", split=True, tags=_tags("small", "sweep")),
+    # (after it) 128 heads on pages of 32 keys: the 64-key body's two head blocks with two TMA boxes a block (no
+    # other case had both), split, page ids outside the cache, a partial last block, causal q_len 2
+    ArgSpec(128, 32, (1, 2, 1), (700, 97, 300), bad_pages=True, split=True, tags=_tags("small", "sweep")),
 )
 
 

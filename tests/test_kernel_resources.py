@@ -5,7 +5,8 @@ Two ways a kernel change loses speed that no CPU test sees and that ptxas report
   small change in a shared helper can tip one over: ffi/cuda/NOTES.md, "fourth session");
 - wgmma serialised by ptxas (its "Potential Performance Loss" notes C7510-C7515: a wgmma behind a branch,
   one in flight across a loop's back edge or a call, makes ptxas serialise every wgmma of the kernel:
-  NOTES.md, "v5" and "ninth session").
+  NOTES.md, "v5" and "ninth session"; C7520: a spin-wait loop in a divergent branch between them, NOTES.md,
+  "fifty-first session").
 The compile is the library's sm_90a one (CMakeLists.txt's flags for ffi/cuda/mla_attention.cu), with the
 nvcc release the kernels are tuned with.
 """

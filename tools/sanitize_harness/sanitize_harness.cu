@@ -412,6 +412,9 @@ static std::vector<T> take(FILE* f, size_t n) {
 }
 
 int main(int argc, char** argv) {
+  // Line by line, so that a run cut off by a timeout (a hang in a variant under test) still shows the cases it
+  // finished, and names the one it hung on.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   const bool timing = argc > 1 && std::string(argv[1]) == "--time";
   for (int a = timing ? 2 : 1; a < argc; ++a) {
     FILE* f = std::fopen(argv[a], "rb");

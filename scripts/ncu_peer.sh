@@ -12,12 +12,16 @@
 # SHAPE: the prefix of a `cases.py timing --tag wide` file (time1 = 128 x 4096 x 128 heads); FM_SHAPE:
 # the index of the same shape in .peer/flashmla/bench.py's SHAPES (3 = 128x4096 h128 q1). PAIRS: SHAPE:FM_SHAPE
 # pairs (time2:5 = our 128 x 4096 h32 beside FlashMLA's 128x4096 h16 q2: both 32 rows a unit, the same keys).
+# FM_SHAPE (or a pair's second half) may also be a shape the kit does not list, written BxLhHqS (8x4096h128q64:
+# tools/flashmla_shape.py runs it), and CASE_TAG picks our timing shapes' tag (default wide), e.g. the compute-bound
+# extend shapes: CASE_TAG=extend PAIRS="time1:8x4096h128q64 time0:16x4096h16q128".
 # NCU_CACHE: ncu's --cache-control (all: caches flushed before the profiled launch, ncu's default; none: the
 # launch finds the caches as the launches before it left them, closer to a chain of calls).
 set -u
 cd "$(dirname "$0")/.."
 export PATH=$PATH:/usr/local/cuda/bin PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/jax_mla_out}
+ROOT=$PWD
 R=/tmp/ncu_peer
 rm -rf "$R" && mkdir -p "$R" "$OUT"
 fm=.peer/flashmla
@@ -26,7 +30,8 @@ if [ -f $fm/bench.py ] && ls .peer/flashinfer_python-*.tar.gz > /dev/null 2>&1; 
     cd $fm && MAX_JOBS=14 TORCH_CUDA_ARCH_LIST=9.0a timeout 300 python3 bench.py --build-only ) > "$R/fm_build.log" 2>&1 &
 fi
 bash scripts/build_driver.sh "$R/driver" > "$R/driver_build.log" 2>&1 || { tail "$R/driver_build.log"; exit 1; }
-JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "$R/cases" --tag wide > "$R/cases.log" 2>&1
+JAX_PLATFORMS=cpu python3 tools/sanitize_harness/cases.py timing "$R/cases" --tag "${CASE_TAG:-wide}" \
+  > "$R/cases.log" 2>&1
 NCU="ncu --clock-control none --cache-control ${NCU_CACHE:-all} --set full --import-source yes"
 for pair in ${PAIRS:-${SHAPE:-time1}:${FM_SHAPE:-3}}; do
   ours=${pair%%:*} fm_shape=${pair##*:}
@@ -40,8 +45,10 @@ for pair in ${PAIRS:-${SHAPE:-time1}:${FM_SHAPE:-3}}; do
     # A warm launch, as ours (--launch-skip 8 above): the kit's first call (which also makes its scheduler metadata)
     # and its warm-up calls are skipped; the 7th of ~15 launches is a graph replay's. Until the forty-ninth session
     # this profiled the first launch (NOTES.md, "forty-ninth session").
+    if [[ $fm_shape =~ ^[0-9]+$ ]]; then fm_run=(python3 bench.py --only "$fm_shape")
+    else fm_run=(python3 "$ROOT/tools/flashmla_shape.py" . "$fm_shape"); fi
     ( cd $fm && timeout 200 $NCU -k regex:splitkv_mla --launch-skip 6 --launch-count 1 -o "$R/flashmla_$fm_shape" \
-        python3 bench.py --only "$fm_shape" --no-check --reps 1 --min-calls 4 --quiet-build ) \
+        "${fm_run[@]}" --no-check --reps 1 --min-calls 4 --quiet-build ) \
       > "$R/ncu_flashmla_$fm_shape.log" 2>&1
     echo "flashmla ($fm_shape): ncu rc=$?"
   fi

@@ -1,7 +1,8 @@
 """The GPU-analysis tools that run on this machine: tools/ncu_source.py on a small source page,
 tools/trace_report.py on a small timeline, tools/block_trace_report.py on a small block trace,
 tools/sass_size.py on a few lines of SASS (odd descriptors, loads' first reads, a build against a baseline); tools/e4m3_lossy_error.py's LSE bound; the standalone driver's timing
-plans and case sets (cases.py); the scripts parse, and gpu_check.sh's step-status helper."""
+plans and case sets (cases.py); tools/flashmla_shape.py's shape names; the scripts parse, and gpu_check.sh's
+step-status helper."""
 
 import gzip
 import importlib.util
@@ -284,6 +285,15 @@ def test_driver_cases_replace_the_previous_set(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["time3_old.bin"]  # timing cases are make_timing's
     cases.make(str(tmp_path), [spec])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["case0.bin", "case0.npz", "time3_old.bin"]
+
+
+def test_flashmla_shape_reads_our_extend_names():
+    """scripts/ncu_peer.sh hands FlashMLA's peer kit a shape it does not list by our BxLhHqS name."""
+    fm = _tool("flashmla_shape")
+    assert fm.parse("8x4096h128q64") == ("8x4096 h128 q64", (8, 4096), 128, 64)
+    assert fm.parse("16x4096h16q128")[1:] == ((16, 4096), 16, 128)
+    with pytest.raises(ValueError, match="8x4096 h128"):
+        fm.parse("8x4096 h128")
 
 
 SCRIPTS = sorted([*(ROOT / "scripts").glob("*.sh"), ROOT / ".ci" / "run"])

@@ -401,11 +401,26 @@ __device__ __forceinline__ void wide64_scores(float (&s)[Wide64Sm90::SACC], cons
 #pragma unroll
   for (int i = I0; i < I1; ++i) {
     const int t = kLeftFirst ? i : (i < 5 ? i + 4 : i - 5);
+#ifdef JAX_MLA_WIDE64_S_WAIT_GROUP
+    // Experiment (NOTES.md, "fifty-second session"): every tile of a group (a call's range; WG1's tiles
+    // 4-8, then 0-3) waited for before the group's first wgmma, so that a warpgroup passes one
+    // compiler-inserted warpgroup arrive a group instead of one a tile.
+    if (wait && (i == I0 || (!kLeftFirst && i == 5))) {
+      const int group_end = !kLeftFirst && i < 5 ? (I1 < 5 ? I1 : 5) : I1;
+#pragma unroll
+      for (int j = i; j < group_end; ++j) {
+        const int tj = kLeftFirst ? j : (j < 5 ? j + 4 : j - 5);
+        if (!kFp8 || tj == W::ROPE_TILE) mbar_wait(W::full_bar(base, buf, tj), parity);
+      }
+      if constexpr (kGather) fence_proxy_async_shared();
+    }
+#else
     // (an fp8 cache's latent tiles were waited for and converted before: wide64_convert_block)
     if (wait && (!kFp8 || t == W::ROPE_TILE)) {
       mbar_wait(W::full_bar(base, buf, t), parity);
       if constexpr (kGather) fence_proxy_async_shared();
     }
+#endif
     if (i == 0) wgmma_fence();
     if (t == W::ROPE_TILE) {
       const uint32_t tile = wait ? W::ROPE_TILE * W::TILE : 0;
@@ -480,7 +495,8 @@ __device__ __forceinline__ void wide64_zero_rows(uint32_t kbuf, int from, int ti
 // box on a bad page (the block's mask word; kKeys, gathered blocks: a key's bit of the key mask) or
 // past a row's limit get -inf, the rest times the row's base-2 softmax scale. kLow: keys below key_lo
 // too (the walk's unit that starts off a box: its first block starts on the box below).
-template <bool kKeys = false, bool kLow = false>
+// kScale = false (softmax_block_scaled, -DJAX_MLA_WIDE64_LEAN_SOFTMAX): the scores stay unscaled.
+template <bool kKeys = false, bool kLow = false, bool kScale = true>
 __device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC], uint32_t base, int blk, int key0,
                                                    const int (&limit)[2], const float (&scale_log2)[2], int t4,
                                                    int key_lo = 0) {
@@ -490,7 +506,7 @@ __device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC],
   const Mask ok = *reinterpret_cast<const Mask*>(__cvta_shared_to_generic(at));
   if (ok == (kKeys ? ~Mask(0) : Mask(3)) && key0 + W::BK <= min(limit[0], limit[1]) && (!kLow || key0 >= key_lo)) {
 #pragma unroll
-    for (int i = 0; i < W::SACC; ++i) x[i] *= scale_log2[(i >> 1) & 1];
+    for (int i = 0; i < W::SACC; ++i) x[i] = kScale ? x[i] * scale_log2[(i >> 1) & 1] : x[i];
     return;
   }
 #pragma unroll
@@ -500,7 +516,7 @@ __device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC],
       const int kl = 8 * j + 2 * t4 + (e & 1);
       const bool key_ok = (ok >> (kKeys ? kl : j >> 2)) & 1;  // boxes: keys 8j .. 8j + 7 lie in box j / 4
       const bool in_range = key0 + kl < limit[e >> 1] && (!kLow || key0 + kl >= key_lo);
-      x[4 * j + e] = key_ok && in_range ? x[4 * j + e] * scale_log2[e >> 1] : -INFINITY;
+      x[4 * j + e] = key_ok && in_range ? (kScale ? x[4 * j + e] * scale_log2[e >> 1] : x[4 * j + e]) : -INFINITY;
     }
   }
 }
@@ -556,6 +572,14 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   // Whether this warpgroup issues refills: not where the producer warpgroup gathers (kProducer); the consumers
   // then arrive on a half's empty barrier where they would have gathered it (`release`).
   constexpr bool kIssues = !kProducer;
+#ifdef JAX_MLA_WIDE64_REFILL_A_LATE
+  // Experiment (NOTES.md, "fifty-second session"): WG0 issues block A + 2's tiles 0-3 after the P_A hand-off,
+  // not between P_A V_A and the m_B wait, where thread 0's ~470 cycles of issue delayed P_A, which WG1's
+  // P_A V_A waits for (a compute-bound pair's critical path).
+  constexpr bool kLateRefillA = kIssues && !kGather && !kFp8;
+#else
+  constexpr bool kLateRefillA = false;
+#endif
   [[maybe_unused]] auto release = [&](int buf, int half) { mbar_arrive(W::empty_bar(base, buf, half)); };
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -678,7 +702,11 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   // Masks and scales the scores of block blk (key0: its first key).
   auto mask = [&](int blk, int key0) {
     return [&, blk, key0](float (&x)[W::SACC]) {
+#ifdef JAX_MLA_WIDE64_LEAN_SOFTMAX
+      wide64_mask_scores<kGather, kWalk, false>(x, base, blk, key0, limit, scale_log2, t4, walk.key_lo);
+#else
       wide64_mask_scores<kGather, kWalk>(x, base, blk, key0, limit, scale_log2, t4, walk.key_lo);
+#endif
     };
   };
 
@@ -763,7 +791,11 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       wgmma_wait<0>();
       fence_registers(s);
       float m_a[2], alpha_a[2], sum_a[2];
+#ifdef JAX_MLA_WIDE64_LEAN_SOFTMAX
+      softmax_block_scaled<true>(s, mask(blk_a, key0), scale_log2, m_run, m_a, alpha_a, sum_a);
+#else
       softmax_block<true>(s, mask(blk_a, key0), m_run, m_a, alpha_a, sum_a);
+#endif
       if (t4 == 0) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxA, r[e]) = m_a[e];
@@ -787,7 +819,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
         if (next_a) release(0, 0);
       } else if constexpr (kGather) {  // block A's tiles 0-3 are read: block A + 2's go in
         if (next_a) wide64_gather_half<0, kPageBoxes>(p, maps, u, base, 0, blk_a + 2, pages_a, tid);
-      } else if (tid == 0 && next_a) {  // block A's tiles 0-3 are read: block A + 2's go in (fp8: its raw latent)
+      } else if (tid == 0 && next_a && !kLateRefillA) {  // block A's tiles 0-3 are read: A + 2's go in (fp8: raw)
         const Wide64Rows b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
         st_shared_u32(W::mask_addr(base, blk_a + 2), b.ok);
         if constexpr (kFp8) {
@@ -815,6 +847,13 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       wide64_store_p(base + W::P0_OFF, pa, warp, lane);
       fence_proxy_async_shared();  // P_A reaches WG1's wgmma reads
       handoff_signal(W::kP0Ready, base);
+      if constexpr (kLateRefillA) {  // (the experiment's place for block A + 2's tiles 0-3: after the P_A hand-off)
+        if (tid == 0 && next_a) {
+          const Wide64Rows b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
+          st_shared_u32(W::mask_addr(base, blk_a + 2), b.ok);
+          wide64_load_tiles<0, 4>(maps, base, 0, b);
+        }
+      }
       JAX_MLA_TRACE_AT(pair + 1, 6);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] *= alpha_b[e];
@@ -884,7 +923,11 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
 #pragma unroll
       for (int e = 0; e < 2; ++e) m_b[e] = m_a[e] = *stat_ptr(W::kMaxA, r[e]);
       if (has_b) {
+#ifdef JAX_MLA_WIDE64_LEAN_SOFTMAX
+        softmax_block_scaled<true>(s, mask(blk_b, key0 + W::BK), scale_log2, m_a, m_b, alpha_ab, sum_b);
+#else
         softmax_block<true>(s, mask(blk_b, key0 + W::BK), m_a, m_b, alpha_ab, sum_b);
+#endif
         wide_pack_p<MT>(s, pb);
       } else {
 #pragma unroll

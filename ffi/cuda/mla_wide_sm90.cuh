@@ -509,6 +509,55 @@ __device__ __forceinline__ void softmax_block(float (&s)[NS], Mask mask, const f
   wide_exp(s, m_new, sum);
 }
 
+// softmax_block with the scale folded into the exponent (an experiment of the 64-key body,
+// -DJAX_MLA_WIDE64_LEAN_SOFTMAX; NOTES.md, "fifty-second session"): mask(s) leaves the scores raw (-inf
+// where masked), the row max is taken over them in four partial maxima a row and then scaled (scale > 0),
+// P = 2^(fma(S, scale, -m)) and the row sums go in four partial sums a row: no multiply per score and
+// dependency chains of 4 instead of 16 in the softmax, which lies on the pair's critical path.
+template <bool kLazyMax, int NS, typename Mask>
+__device__ __forceinline__ void softmax_block_scaled(float (&s)[NS], Mask mask, const float (&scale)[2],
+                                                     const float (&m_prev)[2], float (&m_new)[2], float (&alpha)[2],
+                                                     float (&sum)[2]) {
+  static_assert(NS % 16 == 0, "four partial reductions a row");
+  mask(s);
+  float part[2][4];
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) part[e][k] = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < NS; ++i) part[(i >> 1) & 1][(i >> 2) & 3] = fmaxf(part[(i >> 1) & 1][(i >> 2) & 3], s[i]);
+  float mx[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    mx[e] = fmaxf(fmaxf(part[e][0], part[e][1]), fmaxf(part[e][2], part[e][3]));
+    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
+    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
+    mx[e] *= scale[e];
+    if constexpr (kLazyMax) {
+      const bool keep = m_prev[e] != -INFINITY && mx[e] <= m_prev[e] + kLazyMaxLog2;
+      m_new[e] = keep ? m_prev[e] : fmaxf(m_prev[e], mx[e]);
+      alpha[e] = m_new[e] == m_prev[e] ? 1.f : wide_alpha(m_prev[e], m_new[e]);
+    } else {
+      m_new[e] = fmaxf(m_prev[e], mx[e]);
+      alpha[e] = wide_alpha(m_prev[e], m_new[e]);
+    }
+  }
+  const float neg_mu[2] = {m_new[0] == -INFINITY ? 0.f : -m_new[0], m_new[1] == -INFINITY ? 0.f : -m_new[1]};
+#pragma unroll
+  for (int e = 0; e < 2; ++e)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) part[e][k] = 0.f;
+#pragma unroll
+  for (int i = 0; i < NS; ++i) {
+    const int e = (i >> 1) & 1;
+    s[i] = fast_exp2(fmaf(s[i], scale[e], neg_mu[e]));
+    part[e][(i >> 2) & 3] += s[i];
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) sum[e] = (part[e][0] + part[e][1]) + (part[e][2] + part[e][3]);
+}
+
 // v5b's softmax step: its key flags come from the producer's mask (wide_mask).
 template <bool kLazyMax>
 __device__ __forceinline__ void wide_softmax(float (&s)[WideSm90::SACC], const float (&scale_log2)[2], uint32_t base,

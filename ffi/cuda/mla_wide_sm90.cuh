@@ -483,6 +483,21 @@ __device__ __forceinline__ float wide_alpha(float m_old, float m_new) {
 // sums, while the rows' factors are exactly 1 on most blocks, so their rescales are skipped.
 constexpr float kLazyMaxLog2 = 8.f;
 
+// A row's new reference max from its old one and a block's max (kLazyMax: kept unless the block's exceeds it
+// by more than kLazyMaxLog2), and alpha, the factor for what was accumulated against the old one.
+template <bool kLazyMax>
+__device__ __forceinline__ void wide_max_update(const float& m_prev, const float& mx, float& m_new, float& alpha) {
+  if constexpr (kLazyMax) {
+    // A NaN max fails the test and leaves m_prev (fmaxf), as in the plain update; its P is NaN.
+    const bool keep = m_prev != -INFINITY && mx <= m_prev + kLazyMaxLog2;
+    m_new = keep ? m_prev : fmaxf(m_prev, mx);
+    alpha = m_new == m_prev ? 1.f : wide_alpha(m_prev, m_new);
+  } else {
+    m_new = fmaxf(m_prev, mx);
+    alpha = wide_alpha(m_prev, m_new);
+  }
+}
+
 // A block's softmax step, in place: mask and scale the scores (mask(s): the body's own key
 // flags and row limits), the rows' new reference max m_new (m_prev, unless the block's max
 // exceeds it by more than kLazyMaxLog2, or nothing was visible before), alpha = the factor for
@@ -495,17 +510,7 @@ __device__ __forceinline__ void softmax_block(float (&s)[NS], Mask mask, const f
   float mx[2];
   wide_row_max(s, mx);
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    if constexpr (kLazyMax) {
-      // A NaN max fails the test and leaves m_prev (fmaxf), as in the plain update; its P is NaN.
-      const bool keep = m_prev[e] != -INFINITY && mx[e] <= m_prev[e] + kLazyMaxLog2;
-      m_new[e] = keep ? m_prev[e] : fmaxf(m_prev[e], mx[e]);
-      alpha[e] = m_new[e] == m_prev[e] ? 1.f : wide_alpha(m_prev[e], m_new[e]);
-    } else {
-      m_new[e] = fmaxf(m_prev[e], mx[e]);
-      alpha[e] = wide_alpha(m_prev[e], m_new[e]);
-    }
-  }
+  for (int e = 0; e < 2; ++e) wide_max_update<kLazyMax>(m_prev[e], mx[e], m_new[e], alpha[e]);
   wide_exp(s, m_new, sum);
 }
 
@@ -533,15 +538,7 @@ __device__ __forceinline__ void softmax_block_scaled(float (&s)[NS], Mask mask, 
     mx[e] = fmaxf(fmaxf(part[e][0], part[e][1]), fmaxf(part[e][2], part[e][3]));
     mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
     mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
-    mx[e] *= scale[e];
-    if constexpr (kLazyMax) {
-      const bool keep = m_prev[e] != -INFINITY && mx[e] <= m_prev[e] + kLazyMaxLog2;
-      m_new[e] = keep ? m_prev[e] : fmaxf(m_prev[e], mx[e]);
-      alpha[e] = m_new[e] == m_prev[e] ? 1.f : wide_alpha(m_prev[e], m_new[e]);
-    } else {
-      m_new[e] = fmaxf(m_prev[e], mx[e]);
-      alpha[e] = wide_alpha(m_prev[e], m_new[e]);
-    }
+    wide_max_update<kLazyMax>(m_prev[e], mx[e] * scale[e], m_new[e], alpha[e]);
   }
   const float neg_mu[2] = {m_new[0] == -INFINITY ? 0.f : -m_new[0], m_new[1] == -INFINITY ? 0.f : -m_new[1]};
 #pragma unroll

@@ -847,6 +847,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       wide64_store_p(base + W::P0_OFF, pa, warp, lane);
       fence_proxy_async_shared();  // P_A reaches WG1's wgmma reads
       handoff_signal(W::kP0Ready, base);
+      JAX_MLA_TRACE_AT(pair + 1, 6);
       if constexpr (kLateRefillA) {  // (the experiment's place for block A + 2's tiles 0-3: after the P_A hand-off)
         if (tid == 0 && next_a) {
           const Wide64Rows b = wide64_block_rows(p, maps, u, blk_a + 2, pages_a);
@@ -854,7 +855,6 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
           wide64_load_tiles<0, 4>(maps, base, 0, b);
         }
       }
-      JAX_MLA_TRACE_AT(pair + 1, 6);
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] *= alpha_b[e];
       wide_rescale<true>(o, alpha_b);

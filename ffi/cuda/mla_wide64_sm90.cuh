@@ -505,8 +505,10 @@ __device__ __forceinline__ void wide64_mask_scores(float (&x)[Wide64Sm90::SACC],
   const uint32_t at = kKeys ? W::keymask_addr(opaque(base), blk) : W::mask_addr(opaque(base), blk);
   const Mask ok = *reinterpret_cast<const Mask*>(__cvta_shared_to_generic(at));
   if (ok == (kKeys ? ~Mask(0) : Mask(3)) && key0 + W::BK <= min(limit[0], limit[1]) && (!kLow || key0 >= key_lo)) {
+    if constexpr (kScale) {
 #pragma unroll
-    for (int i = 0; i < W::SACC; ++i) x[i] = kScale ? x[i] * scale_log2[(i >> 1) & 1] : x[i];
+      for (int i = 0; i < W::SACC; ++i) x[i] *= scale_log2[(i >> 1) & 1];
+    }
     return;
   }
 #pragma unroll

@@ -582,6 +582,15 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
 #else
   constexpr bool kLateRefillA = false;
 #endif
+#ifdef JAX_MLA_WIDE64_PA_FIRST
+  // Experiment (NOTES.md, "fifty-third session"): P_A goes to WG1 in m_A's frame with m_A, and WG1 issues
+  // P_A V_A before its softmax of block B, so that the tensor pipe holds both halves of P_A V_A (not one)
+  // while softmax B, the pair's critical path, runs. WG1 then moves O_R to m_A's frame before P_A V_A and
+  // to m_B's after it; WG0 no longer rescales P_A. The P0/P1 hand-offs go unused (m_A and m_B carry P).
+  constexpr bool kPaFirst = !kFp8;
+#else
+  constexpr bool kPaFirst = false;
+#endif
   [[maybe_unused]] auto release = [&](int buf, int half) { mbar_arrive(W::empty_bar(base, buf, half)); };
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -802,9 +811,17 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
 #pragma unroll
         for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxA, r[e]) = m_a[e];
       }
-      handoff_signal(W::kAReady, base);
-      JAX_MLA_TRACE_AT(pair + 1, 1);
-      wide_pack_p<MT>(s, pa);
+      if constexpr (kPaFirst) {  // P_A in m_A's frame goes with m_A
+        wide_pack_p<MT>(s, pa);
+        wide64_store_p(base + W::P0_OFF, pa, warp, lane);
+        fence_proxy_async_shared();  // P_A reaches WG1's wgmma reads
+        handoff_signal(W::kAReady, base);
+        JAX_MLA_TRACE_AT(pair + 1, 1);
+      } else {
+        handoff_signal(W::kAReady, base);
+        JAX_MLA_TRACE_AT(pair + 1, 1);
+        wide_pack_p<MT>(s, pa);
+      }
 #pragma unroll
       for (int e = 0; e < 2; ++e) l_run[e] = l_run[e] * alpha_a[e] + sum_a[e];
       wide_rescale<true>(o, alpha_a);
@@ -841,14 +858,16 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
         alpha_b[e] = m_b == m_a[e] ? 1.f : wide_alpha(m_a[e], m_b);
         m_run[e] = m_b;
       }
-      if (alpha_b[0] != 1.f || alpha_b[1] != 1.f) {
+      if constexpr (!kPaFirst) {
+        if (alpha_b[0] != 1.f || alpha_b[1] != 1.f) {
 #pragma unroll
-        for (int i = 0; i < W::SACC; ++i) s[i] *= alpha_b[(i >> 1) & 1];
-        wide_pack_p<MT>(s, pa);
+          for (int i = 0; i < W::SACC; ++i) s[i] *= alpha_b[(i >> 1) & 1];
+          wide_pack_p<MT>(s, pa);
+        }
+        wide64_store_p(base + W::P0_OFF, pa, warp, lane);
+        fence_proxy_async_shared();  // P_A reaches WG1's wgmma reads
+        handoff_signal(W::kP0Ready, base);
       }
-      wide64_store_p(base + W::P0_OFF, pa, warp, lane);
-      fence_proxy_async_shared();  // P_A reaches WG1's wgmma reads
-      handoff_signal(W::kP0Ready, base);
       JAX_MLA_TRACE_AT(pair + 1, 6);
       if constexpr (kLateRefillA) {  // (the experiment's place for block A + 2's tiles 0-3: after the P_A hand-off)
         if (tid == 0 && next_a) {
@@ -861,7 +880,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       for (int e = 0; e < 2; ++e) l_run[e] *= alpha_b[e];
       wide_rescale<true>(o, alpha_b);
       if (b_partial) wide64_zero_rows<0>(kb1, last_rows, tid);
-      handoff_wait(W::kP1Ready, base, parity);
+      if constexpr (!kPaFirst) handoff_wait(W::kP1Ready, base, parity);  // (kPaFirst: P_B came with m_B)
       JAX_MLA_TRACE_AT(pair + 1, 7);
       // Without a block B, WG1 stored P_B = 0 and this adds 0 times block A's half (already multiplied,
       // its rows past the range zeroed). Not the query panels: a NaN or inf query element times 0 made
@@ -914,6 +933,88 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
         wgmma_commit();
         JAX_MLA_TRACE_AT(pair + 1, 10);
       }
+      JAX_MLA_TRACE_AT(pair + 1, 11);
+    } else if constexpr (kPaFirst) {
+      // ---- m_A and P_A from WG0: O_R to m_A's frame, P_A V_A issued, then softmax B against m_A ----
+      handoff_wait(W::kAReady, base, parity);
+      JAX_MLA_TRACE_AT(pair + 1, 1);
+      // This warpgroup's S of block B (see WG0's), waited for before P_A V_A goes in: a wait that left P_A
+      // V_A in flight over the softmax (wgmma_wait<1>) made ptxas serialise the kernel's wgmmas (C7514).
+      wgmma_wait<0>();
+      fence_registers(s);
+      float m_a[2], m_b[2], alpha_a[2], alpha_ab[2], sum_b[2] = {0.f, 0.f};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        m_b[e] = m_a[e] = *stat_ptr(W::kMaxA, r[e]);
+        alpha_a[e] = m_a[e] == m_run[e] ? 1.f : wide_alpha(m_run[e], m_a[e]);  // as WG0's (wide_max_update)
+      }
+      wide_rescale<true>(o, alpha_a);
+      // A partial block A is the unit's last (no block B): its rows past the range are zeroed before the
+      // P Vs that read it (see WG0's).
+      if (a_partial) wide64_zero_rows<1>(kb0, last_rows, tid);
+      wgmma_fence();
+      wide64_pv_shared_p<MT, 1>(o, base + W::P0_OFF, kb0);
+      wgmma_commit();
+      JAX_MLA_TRACE_AT(pair + 1, 2);
+      if (has_b) {
+#ifdef JAX_MLA_WIDE64_LEAN_SOFTMAX
+        softmax_block_scaled<true>(s, mask(blk_b, key0 + W::BK), scale_log2, m_a, m_b, alpha_ab, sum_b);
+#else
+        softmax_block<true>(s, mask(blk_b, key0 + W::BK), m_a, m_b, alpha_ab, sum_b);
+#endif
+        wide_pack_p<MT>(s, pb);
+      } else {
+        alpha_ab[0] = alpha_ab[1] = 1.f;
+#pragma unroll
+        for (int kk = 0; kk < W::KSTEPS; ++kk) pb[kk][0] = pb[kk][1] = pb[kk][2] = pb[kk][3] = 0u;
+      }
+      if (t4 == 0) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxB, r[e]) = m_b[e];
+      }
+      wide64_store_p(base + W::P1_OFF, pb, warp, lane);
+      fence_proxy_async_shared();  // P_B reaches WG0's wgmma reads
+      handoff_signal(W::kBReady, base);
+      JAX_MLA_TRACE_AT(pair + 1, 3);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float alpha_r = m_b[e] == m_run[e] ? 1.f : wide_alpha(m_run[e], m_b[e]);
+        l_run[e] = l_run[e] * alpha_r + sum_b[e];
+        m_run[e] = m_b[e];
+      }
+      wgmma_wait<0>();  // P_A V_A: block A's tiles 4-8 are read
+      fence_registers(o);
+      JAX_MLA_TRACE_AT(pair + 1, 4);
+      if constexpr (kProducer) {
+        if (next_a) release(0, 1);
+      } else if constexpr (kGather) {
+        if (next_a) wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 0, blk_a + 2, pages_a, tid);
+      } else if (tid == 0 && next_a) {
+        wide64_load_tiles<4, 9>(maps, base, 0, wide64_block_rows(p, maps, u, blk_a + 2, pages_a));
+      }
+      JAX_MLA_TRACE_AT(pair + 1, 5);
+      // ---- O_R to m_B's frame, P_B V_B ----
+      wide_rescale<true>(o, alpha_ab);
+      if (b_partial) wide64_zero_rows<1>(kb1, last_rows, tid);
+      wgmma_fence();
+      wide64_pv<MT, 1>(o, pb, has_b ? kb1 : kb0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(o);
+      fence_fragments(pb);
+      JAX_MLA_TRACE_AT(pair + 1, 6);
+      if constexpr (kProducer) {  // block B's tiles 4-8 are read
+        if (next_b) release(1, 1);
+      } else if constexpr (kGather) {
+        if (next_b) wide64_gather_half<1, kPageBoxes>(p, maps, u, base, 1, blk_b + 2, pages_b, tid);
+      } else if (tid == 0 && next_b) {
+        wide64_load_tiles<4, 9>(maps, base, 1, wide64_block_rows(p, maps, u, blk_b + 2, pages_b));
+      }
+      JAX_MLA_TRACE_AT(pair + 1, 9);
+      wide64_scores<T, MT, kFp8, false, 0, W::TILES, kGather>(
+          s, q_rope, base, next_b ? kb1 : q_panels, 1, parity ^ 1 ^ (kWalk ? walk.phase_a ^ walk.phase_b : 0), next_b);
+      wgmma_commit();
+      JAX_MLA_TRACE_AT(pair + 1, 10);
       JAX_MLA_TRACE_AT(pair + 1, 11);
     } else {
       // ---- block B: softmax against m_A, m_B out ----

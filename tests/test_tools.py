@@ -87,6 +87,19 @@ def test_trace_report_periods_and_intervals():
     assert out[-1].split()[-1] == "800"  # trip end -> next top
 
 
+def test_trace_report_pa_first_body_labels():
+    tr = _tool("trace_report")
+    # Body id 3 (-DJAX_MLA_WIDE64_PA_FIRST): warpgroup 1's marks are labelled by that schedule.
+    lines = ["trace c slot 2 globaltimer 5000 9000 body 3", "trace c slot 2 row 0: 0 40 50 60 3000 3100 10 20"]
+    for n in range(3):
+        top = 100 + 1000 * n
+        lines.append(f"trace c slot 2 row {n + 1}: " + " ".join(str(top + 10 * i) for i in range(12)))
+    rows, timers = tr.read(lines)
+    out = tr.report(rows, timers, 0, 3)
+    assert out[2].split() == ["top", "->", "m_A", "received", "10"]
+    assert out[3].split() == ["m_A", "received", "->", "PV_A", "issued", "10"]
+
+
 def test_trace_report_narrow_fp8_body_and_first_trips():
     tr = _tool("trace_report")
     # The opt-in fp8 narrow body (body 2) in slot 0, after a merge; slot 4 (a block that did not exist)

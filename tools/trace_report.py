@@ -34,13 +34,23 @@ PAIR_MARKS = {
     1: ["top", "m_A received", "m_B signalled", "P_B signalled", "PV_B issued", "P_A received", "PV_B done",
         "B 4-8 refilled", "PV_A done", "A 4-8 refilled", "S issued", "trip end"],
 }
+# The same body built with -DJAX_MLA_WIDE64_PA_FIRST (body id 3): P_A comes right after m_A, WG1 issues P_A V_A before
+# its softmax of block B, P_B goes with m_B.
+PAIR_MARKS_PA_FIRST = {
+    0: ["top", "m_A signalled", "PV_A issue", "PV_A done", "A 0-3 refilled", "m_B + P_B received",
+        "O_L rescaled", "(as before)", "PV_B + S 0-3 issued", "PV_B done", "S 4-8 issued", "trip end"],
+    1: ["top", "m_A received", "PV_A issued", "m_B + P_B signalled", "PV_A done", "PV_B issued",
+        "A 4-8 refilled", "PV_B done", "B 4-8 refilled", "(as before)", "S issued", "trip end"],
+}
 # Row 0's marks in the order the driver prints them (events 0-5, then 8-10; 6-7 are globaltimer).
 PROLOGUE_MARKS = ["start", "queries issued", "queries landed", "first S done", "loop end", "stored", "set up",
                   "page ids issued"]
 # The opt-in fp8 narrow body (ffi/cuda/mla_narrow_fp8_sm90.cuh): the same for every warp.
 NARROW_FP8_MARKS = ["top", "block landed", "S done", "maxima shared", "P in panel", "P V done"]
 NARROW_FP8_PROLOGUE = ["start", "page ids landed", "queries landed", "panels built", "loop end", "stored"]
-BODY_WIDE64, BODY_NARROW_FP8 = 1, 2  # row 0's event 11 (mla_common.cuh: kTraceWide64, kTraceNarrowFp8)
+# Row 0's event 11 (mla_common.cuh: kTraceWide64, kTraceNarrowFp8, kTraceWide64PaFirst).
+BODY_WIDE64, BODY_NARROW_FP8, BODY_WIDE64_PA_FIRST = 1, 2, 3
+WIDE64_BODIES = {BODY_WIDE64: PAIR_MARKS, BODY_WIDE64_PA_FIRST: PAIR_MARKS_PA_FIRST}
 
 LINE = re.compile(r"trace (\S+) slot (\d+) row (\d+): (.*)")
 TIMER = re.compile(r"trace (\S+) slot (\d+) globaltimer (-?\d+) (-?\d+)(?: body (-?\d+))?")
@@ -72,10 +82,10 @@ def report(rows, timers, first_pair: int, last_pair: int, first: int = 0) -> lis
     out = []
     for (case, slot), r in sorted(rows.items()):
         start, end, body = timers.get((case, slot), (0, 0, BODY_WIDE64))
-        if body not in (BODY_WIDE64, BODY_NARROW_FP8):
+        if body not in (BODY_NARROW_FP8, *WIDE64_BODIES):
             continue  # a slot no traced body wrote (e.g. a block that does not exist)
         narrow = body == BODY_NARROW_FP8
-        marks = NARROW_FP8_MARKS if narrow else PAIR_MARKS[slot_warp(slot)[0]]
+        marks = NARROW_FP8_MARKS if narrow else WIDE64_BODIES[body][slot_warp(slot)[0]]
         pro = dict(zip(NARROW_FP8_PROLOGUE if narrow else PROLOGUE_MARKS, r.get(0, [])))
         out.append(f"{case} slot {slot} ({slot_name(slot)}): "
                    + " ".join(f"{k} {v}" for k, v in pro.items()) + f" | {end - start} ns")
@@ -110,7 +120,7 @@ def walk_boundaries(rows, timers) -> list[str]:
         _, end_before, _ = timers.get((case, slot - 4), (0, 0, 0))
         first = dict(zip(PROLOGUE_MARKS, rows[(case, slot - 4)].get(0, [])))
         second = dict(zip(PROLOGUE_MARKS, r.get(0, [])))
-        if body != BODY_WIDE64 or not end_before or start < end_before:
+        if body not in WIDE64_BODIES or not end_before or start < end_before:
             continue
         wg, warp = slot_warp(slot)
         out.append(f"{case} walk boundary, WG{wg} warp {warp}: loop end -> stored "

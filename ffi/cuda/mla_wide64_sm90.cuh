@@ -586,7 +586,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   // Experiment (NOTES.md, "fifty-third session"): P_A goes to WG1 in m_A's frame with m_A, and WG1 issues
   // P_A V_A before its softmax of block B, so that the tensor pipe holds both halves of P_A V_A (not one)
   // while softmax B, the pair's critical path, runs. WG1 then moves O_R to m_A's frame before P_A V_A and
-  // to m_B's after it; WG0 no longer rescales P_A. The P0/P1 hand-offs go unused (m_A and m_B carry P).
+  // to m_B's after it; WG0 no longer rescales P_A. P_B comes with m_B (the P1 hand-off goes unused).
   constexpr bool kPaFirst = !kFp8;
 #else
   constexpr bool kPaFirst = false;
@@ -595,7 +595,8 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
 #ifdef JAX_MLA_TRACE  // (mla_common.cuh) row 0: the prologue and the epilogue; row 1 + n: pair n
-  const int trace_slot = jax_mla_trace_slot(HALF, warp, lane, kTraceWide64, kWalk ? walk.unit : -1);
+  const int trace_slot = jax_mla_trace_slot(HALF, warp, lane, kPaFirst ? kTraceWide64PaFirst : kTraceWide64,
+                                            kWalk ? walk.unit : -1);
 #endif
   const int rows = u.q_len * hb;
   int r[2], limit[2];
@@ -811,12 +812,13 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
 #pragma unroll
         for (int e = 0; e < 2; ++e) *stat_ptr(W::kMaxA, r[e]) = m_a[e];
       }
-      if constexpr (kPaFirst) {  // P_A in m_A's frame goes with m_A
+      if constexpr (kPaFirst) {  // P_A in m_A's frame goes right after m_A
+        handoff_signal(W::kAReady, base);
+        JAX_MLA_TRACE_AT(pair + 1, 1);
         wide_pack_p<MT>(s, pa);
         wide64_store_p(base + W::P0_OFF, pa, warp, lane);
         fence_proxy_async_shared();  // P_A reaches WG1's wgmma reads
-        handoff_signal(W::kAReady, base);
-        JAX_MLA_TRACE_AT(pair + 1, 1);
+        handoff_signal(W::kP0Ready, base);
       } else {
         handoff_signal(W::kAReady, base);
         JAX_MLA_TRACE_AT(pair + 1, 1);
@@ -952,6 +954,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       // A partial block A is the unit's last (no block B): its rows past the range are zeroed before the
       // P Vs that read it (see WG0's).
       if (a_partial) wide64_zero_rows<1>(kb0, last_rows, tid);
+      handoff_wait(W::kP0Ready, base, parity);
       wgmma_fence();
       wide64_pv_shared_p<MT, 1>(o, base + W::P0_OFF, kb0);
       wgmma_commit();
@@ -985,6 +988,15 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       wgmma_wait<0>();  // P_A V_A: block A's tiles 4-8 are read
       fence_registers(o);
       JAX_MLA_TRACE_AT(pair + 1, 4);
+      // ---- O_R to m_B's frame, P_B V_B; block A + 2's tiles 4-8 issued while it runs ----
+      // (Issued before P_B V_B, one thread's ~560 cycles of TMA issue delayed the warpgroup's P_B V_B and
+      // with it block B + 2's refill: the first version of this experiment, NOTES.md.)
+      wide_rescale<true>(o, alpha_ab);
+      if (b_partial) wide64_zero_rows<1>(kb1, last_rows, tid);
+      wgmma_fence();
+      wide64_pv<MT, 1>(o, pb, has_b ? kb1 : kb0);
+      wgmma_commit();
+      JAX_MLA_TRACE_AT(pair + 1, 5);
       if constexpr (kProducer) {
         if (next_a) release(0, 1);
       } else if constexpr (kGather) {
@@ -992,17 +1004,11 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       } else if (tid == 0 && next_a) {
         wide64_load_tiles<4, 9>(maps, base, 0, wide64_block_rows(p, maps, u, blk_a + 2, pages_a));
       }
-      JAX_MLA_TRACE_AT(pair + 1, 5);
-      // ---- O_R to m_B's frame, P_B V_B ----
-      wide_rescale<true>(o, alpha_ab);
-      if (b_partial) wide64_zero_rows<1>(kb1, last_rows, tid);
-      wgmma_fence();
-      wide64_pv<MT, 1>(o, pb, has_b ? kb1 : kb0);
-      wgmma_commit();
+      JAX_MLA_TRACE_AT(pair + 1, 6);
       wgmma_wait<0>();
       fence_registers(o);
       fence_fragments(pb);
-      JAX_MLA_TRACE_AT(pair + 1, 6);
+      JAX_MLA_TRACE_AT(pair + 1, 7);
       if constexpr (kProducer) {  // block B's tiles 4-8 are read
         if (next_b) release(1, 1);
       } else if constexpr (kGather) {
@@ -1010,6 +1016,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       } else if (tid == 0 && next_b) {
         wide64_load_tiles<4, 9>(maps, base, 1, wide64_block_rows(p, maps, u, blk_b + 2, pages_b));
       }
+      JAX_MLA_TRACE_AT(pair + 1, 8);
       JAX_MLA_TRACE_AT(pair + 1, 9);
       wide64_scores<T, MT, kFp8, false, 0, W::TILES, kGather>(
           s, q_rope, base, next_b ? kb1 : q_panels, 1, parity ^ 1 ^ (kWalk ? walk.phase_a ^ walk.phase_b : 0), next_b);

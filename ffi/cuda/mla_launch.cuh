@@ -262,6 +262,16 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
                     blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream, p, maps);
               }
             }
+#ifdef JAX_MLA_WIDE64_TMA_PRODUCER
+            // An experiment (NOTES.md, "fifty-third session"): above 16 heads a third warpgroup issues the boxes
+            // (wide64_tma_producer), as it gathers on small pages.
+            if constexpr (kCache == kCacheAsQuery) {
+              if (p.num_heads > 16) {
+                return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, false, false, true>>(
+                    blocks, sm90_kernel_threads<true, true>(), kSm90SmemBytes, stream, p, maps);
+              }
+            }
+#endif
             return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true>>(blocks, Wide64Sm90::kThreads,
                                                                                  kSm90SmemBytes, stream, p, maps);
           }

@@ -570,7 +570,8 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   // broadcast made WG1's loop worse (16 -> 105 R2URs), so it is not used there.
   const uint32_t base = kFp8 ? __shfl_sync(0xffffffffu, base_in, 0) : base_in;
   static_assert(!kGather || kCache == kCacheAsQuery, "gathered blocks: a 16-bit cache");
-  static_assert(!kProducer || kGather, "the producer warpgroup: gathered blocks");
+  static_assert(!kProducer || kCache == kCacheAsQuery, "the producer warpgroup: a 16-bit cache");
+  static_assert(!kProducer || !kWalk, "the walk's consumers issue its boxes");
   // Whether this warpgroup issues refills: not where the producer warpgroup gathers (kProducer); the consumers
   // then arrive on a half's empty barrier where they would have gathered it (`release`).
   constexpr bool kIssues = !kProducer;
@@ -662,7 +663,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
       wide64_load_raw(maps, base, HALF, b);
       wide64_load_tiles<8, 9>(maps, base, HALF, b);
     }
-  } else if (!kWalk && tid == 0) {
+  } else if (!kWalk && kIssues && tid == 0) {
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {
       if (blk >= num_blocks) break;
@@ -1214,6 +1215,63 @@ __device__ __forceinline__ void wide64_gather_producer(const Problem& p, const K
   cp_async_wait_all();  // leave nothing in flight behind an exited thread
 }
 
+// The producer warpgroup of a block read by TMA (an experiment, -DJAX_MLA_WIDE64_TMA_PRODUCER; NOTES.md,
+// "fifty-third session"): lane 0 of its warp 0 issues every box of the unit, blocks 0 and 1 whole, then each half
+// once the warpgroup that read it last has released it (as wide64_gather_producer), so that no consumer warp
+// spends the ~470-600 cycles a half's boxes take to issue between two of its warpgroup's wgmmas. A block's key
+// mask goes with its first half; its page ids are read a pair ahead. Warps 1-3 leave at once; warp 0's lanes all
+// wait (mbar_wait ends in a __syncwarp).
+__device__ __forceinline__ void wide64_tma_producer(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
+                                                    uint32_t base) {
+  using W = Wide64Sm90;
+  if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 5, 0) != W::kThreads / 32) return;
+  const bool issuer = threadIdx.x == W::kThreads;
+  const int num_blocks = __shfl_sync(0xffffffffu, (u.range_end - u.kv_begin + W::BK - 1) / W::BK, 0);
+  auto pages = [&](int blk) {
+    return issuer && blk < num_blocks ? wide64_block_pages(p, maps, u, blk) : Wide64Pages{};
+  };
+  // Half `half` of block blk into buffer blk % 2 (tiles 0-3 with the key mask, or 4-8).
+  auto issue = [&](int blk, int half, const Wide64Rows& b, bool mask) {
+    if (!issuer) return;
+    if (mask) st_shared_u32(W::mask_addr(base, blk), b.ok);
+    if (half == 0) {
+      wide64_load_tiles<0, 4>(maps, base, blk & 1, b);
+    } else {
+      wide64_load_tiles<4, 9>(maps, base, blk & 1, b);
+    }
+  };
+  Wide64Pages na = pages(2), nb = pages(3);
+  for (int blk = 0; blk < 2 && blk < num_blocks; ++blk) {
+    const Wide64Rows b = wide64_block_rows(p, maps, u, blk, pages(blk));
+    issue(blk, 0, b, true);
+    issue(blk, 1, b, false);
+  }
+#pragma unroll 1
+  for (int a = 2; a < num_blocks; a += 2) {
+    const int b = a + 1;
+    const bool has_b = b < num_blocks;
+    const int parity = ((a >> 1) - 1) & 1;  // the (a / 2 - 1)-th release of each half
+    const Wide64Rows ra = wide64_block_rows(p, maps, u, a, na);
+    const Wide64Rows rb = has_b ? wide64_block_rows(p, maps, u, b, nb) : Wide64Rows{};
+    na = pages(a + 2);
+    nb = pages(b + 2);
+    // In the order the halves are freed: A's left (WG0 after P_A V_A), B's right (WG1 after P_B V_B), A's
+    // right (WG1 after P_A V_A), B's left (WG0 after P_B V_B).
+    mbar_wait(W::empty_bar(base, 0, 0), parity);
+    issue(a, 0, ra, true);
+    if (has_b) {
+      mbar_wait(W::empty_bar(base, 1, 1), parity);
+      issue(b, 1, rb, true);
+    }
+    mbar_wait(W::empty_bar(base, 0, 1), parity);
+    issue(a, 1, ra, false);
+    if (has_b) {
+      mbar_wait(W::empty_bar(base, 1, 0), parity);
+      issue(b, 0, rb, false);
+    }
+  }
+}
+
 // The body: barriers, then the two warpgroups (threads 0-255; the caller has sent the rest away, but for
 // the producer warpgroup of kProducer: threads 256-383).
 // kE4m3: an fp8 ckv's units multiply on e4m3 (Problem::fp8_products; its own kernel instance).
@@ -1222,7 +1280,7 @@ template <typename T, int kCache, bool kE4m3 = false, bool kGather = false, bool
 __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTensorMaps& maps, const Unit& u, int h0,
                                                    int hb, uint32_t base) {
   using W = Wide64Sm90;
-  static_assert(!kProducer || kGather, "the producer warpgroup: gathered blocks");
+  static_assert(!kProducer || (kCache == kCacheAsQuery && !kE4m3), "the producer warpgroup: a 16-bit cache");
   if (threadIdx.x == 0) {
     // A tile's fill: one arrival with its bytes (TMA), or each gathering thread's when its copies land
     // (kGather; tile 0 also one from each warp that wrote mask bits).
@@ -1242,7 +1300,11 @@ __device__ __forceinline__ void attend_unit_wide64(const Problem& p, const KeyTe
     __syncthreads();  // all three warpgroups
     if (__shfl_sync(0xffffffffu, (int)threadIdx.x >> 7, 0) == 2) {
       release_registers<40>();
-      wide64_gather_producer<kPageBoxes>(p, maps, u, base);
+      if constexpr (kGather) {
+        wide64_gather_producer<kPageBoxes>(p, maps, u, base);
+      } else {
+        wide64_tma_producer(p, maps, u, base);
+      }
       return;
     }
     claim_registers<232>();

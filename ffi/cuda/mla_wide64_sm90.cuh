@@ -89,7 +89,8 @@ struct Wide64Sm90 {
     return base + BAR_OFF + (buf * TILES + tile) * 8;
   }
   // The hand-offs between the warpgroups, one phase per pair: WG0 -> WG1, m_A is in shared memory;
-  // WG1 -> WG0, m_B is; WG0 -> WG1, P_A (in m_B's frame) is in P0; WG1 -> WG0, P_B is in P1.
+  // WG1 -> WG0, m_B is; WG0 -> WG1, P_A (in m_B's frame; in m_A's with -DJAX_MLA_WIDE64_PA_FIRST) is in P0;
+  // WG1 -> WG0, P_B is in P1 (with PA_FIRST: P_B is in P1 by m_B's hand-off, and this one goes unused).
   enum Handoff : int { kAReady = 0, kBReady = 1, kP0Ready = 2, kP1Ready = 3 };
   static __device__ __forceinline__ uint32_t handoff_bar(uint32_t base, int h) {
     return base + BAR_OFF + (2 * TILES + h) * 8;
@@ -572,8 +573,8 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   static_assert(!kGather || kCache == kCacheAsQuery, "gathered blocks: a 16-bit cache");
   static_assert(!kProducer || kCache == kCacheAsQuery, "the producer warpgroup: a 16-bit cache");
   static_assert(!kProducer || !kWalk, "the walk's consumers issue its boxes");
-  // Whether this warpgroup issues refills: not where the producer warpgroup gathers (kProducer); the consumers
-  // then arrive on a half's empty barrier where they would have gathered it (`release`).
+  // Whether this warpgroup issues refills: not where the producer warpgroup gathers or issues the boxes
+  // (kProducer); the consumers then arrive on a half's empty barrier where they would have issued it (`release`).
   constexpr bool kIssues = !kProducer;
 #ifdef JAX_MLA_WIDE64_REFILL_A_LATE
   // Experiment (NOTES.md, "fifty-second session"): WG0 issues block A + 2's tiles 0-3 after the P_A hand-off,
@@ -584,7 +585,7 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
   constexpr bool kLateRefillA = false;
 #endif
 #ifdef JAX_MLA_WIDE64_PA_FIRST
-  // Experiment (NOTES.md, "fifty-third session"): P_A goes to WG1 in m_A's frame with m_A, and WG1 issues
+  // Experiment (NOTES.md, "fifty-third session"): P_A goes to WG1 in m_A's frame right after m_A, and WG1 issues
   // P_A V_A before its softmax of block B, so that the tensor pipe holds both halves of P_A V_A (not one)
   // while softmax B, the pair's critical path, runs. WG1 then moves O_R to m_A's frame before P_A V_A and
   // to m_B's after it; WG0 no longer rescales P_A. P_B comes with m_B (the P1 hand-off goes unused).

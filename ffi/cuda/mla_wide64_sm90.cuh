@@ -1257,15 +1257,27 @@ __device__ __forceinline__ void wide64_tma_producer(const Problem& p, const KeyT
     na = pages(a + 2);
     nb = pages(b + 2);
     // In the order the halves are freed: A's left (WG0 after P_A V_A), B's right (WG1 after P_B V_B), A's
-    // right (WG1 after P_A V_A), B's left (WG0 after P_B V_B).
+    // right (WG1 after P_A V_A), B's left (WG0 after P_B V_B). With -DJAX_MLA_WIDE64_PA_FIRST WG1 multiplies
+    // P_A V_A first, so A's right comes before B's right.
+#ifdef JAX_MLA_WIDE64_PA_FIRST
+    constexpr bool kARightFirst = true;
+#else
+    constexpr bool kARightFirst = false;
+#endif
     mbar_wait(W::empty_bar(base, 0, 0), parity);
     issue(a, 0, ra, true);
+    if (kARightFirst) {
+      mbar_wait(W::empty_bar(base, 0, 1), parity);
+      issue(a, 1, ra, false);
+    }
     if (has_b) {
       mbar_wait(W::empty_bar(base, 1, 1), parity);
       issue(b, 1, rb, true);
     }
-    mbar_wait(W::empty_bar(base, 0, 1), parity);
-    issue(a, 1, ra, false);
+    if (!kARightFirst) {
+      mbar_wait(W::empty_bar(base, 0, 1), parity);
+      issue(a, 1, ra, false);
+    }
     if (has_b) {
       mbar_wait(W::empty_bar(base, 1, 0), parity);
       issue(b, 0, rb, false);

@@ -51,6 +51,13 @@ struct Wide64Sm90 {
   // Gathered blocks (kGather: cp.async on pages under 8 keys, boxes of one page on pages of 8-16) from a
   // third warpgroup (kProducer: the consumers 232 registers a thread, the producer 40; mla_launch.cuh).
   static constexpr int kProducerThreads = 384;
+  // The P_A V_A-under-softmax-B schedule (an experiment, -DJAX_MLA_WIDE64_PA_FIRST; NOTES.md, "fifty-third
+  // session"), read by the consumers (16-bit caches only) and by the TMA producer, which frees halves in its order.
+#ifdef JAX_MLA_WIDE64_PA_FIRST
+  static constexpr bool kPaFirstSchedule = true;
+#else
+  static constexpr bool kPaFirstSchedule = false;
+#endif
   static constexpr int ROWS = 64;
   static constexpr int BK = 64;                 // keys per block
   static constexpr int TILE = BK * 128;         // 64 keys x 64 dims, 128-byte swizzle
@@ -584,15 +591,11 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
 #else
   constexpr bool kLateRefillA = false;
 #endif
-#ifdef JAX_MLA_WIDE64_PA_FIRST
-  // Experiment (NOTES.md, "fifty-third session"): P_A goes to WG1 in m_A's frame right after m_A, and WG1 issues
+  // Experiment (W::kPaFirstSchedule): P_A goes to WG1 in m_A's frame right after m_A, and WG1 issues
   // P_A V_A before its softmax of block B, so that the tensor pipe holds both halves of P_A V_A (not one)
   // while softmax B, the pair's critical path, runs. WG1 then moves O_R to m_A's frame before P_A V_A and
   // to m_B's after it; WG0 no longer rescales P_A. P_B comes with m_B (the P1 hand-off goes unused).
-  constexpr bool kPaFirst = !kFp8;
-#else
-  constexpr bool kPaFirst = false;
-#endif
+  constexpr bool kPaFirst = W::kPaFirstSchedule && !kFp8;
   [[maybe_unused]] auto release = [&](int buf, int half) { mbar_arrive(W::empty_bar(base, buf, half)); };
   const int tid = threadIdx.x - 128 * HALF;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -1256,32 +1259,19 @@ __device__ __forceinline__ void wide64_tma_producer(const Problem& p, const KeyT
     const Wide64Rows rb = has_b ? wide64_block_rows(p, maps, u, b, nb) : Wide64Rows{};
     na = pages(a + 2);
     nb = pages(b + 2);
+    // Half `half` of block blk once its last reader has released it.
+    auto refill = [&](int blk, int half, const Wide64Rows& rows, bool mask) {
+      mbar_wait(W::empty_bar(base, blk & 1, half), parity);
+      issue(blk, half, rows, mask);
+    };
     // In the order the halves are freed: A's left (WG0 after P_A V_A), B's right (WG1 after P_B V_B), A's
-    // right (WG1 after P_A V_A), B's left (WG0 after P_B V_B). With -DJAX_MLA_WIDE64_PA_FIRST WG1 multiplies
+    // right (WG1 after P_A V_A), B's left (WG0 after P_B V_B). In the PA_FIRST schedule WG1 multiplies
     // P_A V_A first, so A's right comes before B's right.
-#ifdef JAX_MLA_WIDE64_PA_FIRST
-    constexpr bool kARightFirst = true;
-#else
-    constexpr bool kARightFirst = false;
-#endif
-    mbar_wait(W::empty_bar(base, 0, 0), parity);
-    issue(a, 0, ra, true);
-    if (kARightFirst) {
-      mbar_wait(W::empty_bar(base, 0, 1), parity);
-      issue(a, 1, ra, false);
-    }
-    if (has_b) {
-      mbar_wait(W::empty_bar(base, 1, 1), parity);
-      issue(b, 1, rb, true);
-    }
-    if (!kARightFirst) {
-      mbar_wait(W::empty_bar(base, 0, 1), parity);
-      issue(a, 1, ra, false);
-    }
-    if (has_b) {
-      mbar_wait(W::empty_bar(base, 1, 0), parity);
-      issue(b, 0, rb, false);
-    }
+    refill(a, 0, ra, true);
+    if (W::kPaFirstSchedule) refill(a, 1, ra, false);
+    if (has_b) refill(b, 1, rb, true);
+    if (!W::kPaFirstSchedule) refill(a, 1, ra, false);
+    if (has_b) refill(b, 0, rb, false);
   }
 }
 

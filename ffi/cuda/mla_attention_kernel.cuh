@@ -82,7 +82,7 @@ constexpr int kAttentionSmemBytes =
     cmax(cmax(Tile32::BYTES, Tile64::BYTES), cmax(NarrowShape64x3::BYTES, NarrowShapeFp8::BYTES));
 static_assert(kAttentionSmemBytes <= 227 * 1024, "one block per SM must fit");
 
-template <typename T, typename Shape, int kCache = kCacheAsQuery>
+template <typename T, typename Shape, int kCache = kCacheAsQuery, bool kL2Hint = true>
 __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int h0, int hb, char* smem) {
   constexpr int MT = Shape::MT, BK = Shape::BK, STAGES = Shape::STAGES, MP = Shape::MP;
   constexpr int KG = Shape::KG, KW = Shape::KW, NT = Shape::NT, PASSES = Shape::PASSES;
@@ -125,8 +125,9 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
   auto issue_block = [&](int blk) {
     const int stage = blk % STAGES;
     const uint32_t dst = s_kv + stage * Shape::STAGE_BYTES;
-    gather_key_block<kCache, BK, Shape::PAGE_RING, PASSES>(p, u, page_ring, key_ok, kv_begin, blk, stage, tid,
-                                                            [&](int kl, int c) { return dst + Shape::chunk_offset(kl, c); });
+    gather_key_block<kCache, BK, Shape::PAGE_RING, PASSES, 32, kL2Hint>(
+        p, u, page_ring, key_ok, kv_begin, blk, stage, tid,
+        [&](int kl, int c) { return dst + Shape::chunk_offset(kl, c); });
   };
 
   // Prologue: the queries and the pages of blocks 0 .. 2S-3 (one round trip),
@@ -341,14 +342,15 @@ __device__ __forceinline__ void attend_unit(const Problem& p, const Unit& u, int
   }
 }
 
-// A unit of more than 16 rows on the portable body (the unit finished): 32- or 64-row tiles.
-template <typename T, int kCache>
+// A unit of more than 16 rows on the portable body (the unit finished): 32- or 64-row tiles. kL2Hint:
+// gather_key_row's.
+template <typename T, int kCache, bool kL2Hint = true>
 __device__ __forceinline__ void attend_unit_wide_portable(const Problem& p, const Unit& u, int h0, int hb,
                                                           char* smem) {
   if (u.q_len * hb <= 32) {
-    attend_unit<T, Tile32, kCache>(p, u, h0, hb, smem);
+    attend_unit<T, Tile32, kCache, kL2Hint>(p, u, h0, hb, smem);
   } else {
-    attend_unit<T, Tile64, kCache>(p, u, h0, hb, smem);
+    attend_unit<T, Tile64, kCache, kL2Hint>(p, u, h0, hb, smem);
   }
 }
 

@@ -60,7 +60,8 @@ struct CacheFormat {
 // Issues thread `sub` (0-7)'s share of the cp.async gather of one key row (8
 // threads per key). `chunk(c)` is the shared address of chunk c of the row in
 // the body's layout; `bytes` 0 zero-fills (keys outside the range, bad pages).
-template <int kCache, typename ChunkAddr>
+// kL2Hint false: plain copies (the portable body in the TMA producer's instance, mla_sm90_kernel.cuh).
+template <int kCache, bool kL2Hint = true, typename ChunkAddr>
 __device__ __forceinline__ void gather_key_row(ChunkAddr chunk, const char* ckv_row, const char* kpe_row, int sub,
                                                int bytes) {
   using F = CacheFormat<kCache>;
@@ -68,8 +69,14 @@ __device__ __forceinline__ void gather_key_row(ChunkAddr chunk, const char* ckv_
   // they are fresh). Left normal they pushed the kernel's own code and page table out of L2, and a
   // launch after another kernel (an op's merge, the model's next layer) then fetched its code from
   // DRAM: 7-17 us a launch at 1024-4096 keys a unit (ffi/cuda/NOTES.md, "Keys evict-first").
-  const uint64_t pol = l2_evict_first_policy();
-  auto copy = [&](uint32_t dst, const char* src) { cp_async16_hint(dst, src, bytes, pol); };
+  const uint64_t pol = kL2Hint ? l2_evict_first_policy() : 0;
+  auto copy = [&](uint32_t dst, const char* src) {
+    if constexpr (kL2Hint) {
+      cp_async16_hint(dst, src, bytes, pol);
+    } else {
+      cp_async16(dst, src, bytes);
+    }
+  };
   if constexpr (!F::kFp8Ckv) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) copy(chunk(sub + 8 * i), ckv_row + (sub + 8 * i) * 16);

@@ -97,7 +97,10 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64, kProducer>(), 1) 
       attend_unit_narrow<T, NarrowShapeFor<kCache>, kCache>(p, u, h0, hb, smem);
     } else if constexpr (!kWgmmaCache || kWide64) {
       finish_unit(p, u);
-      attend_unit_wide_portable<T, kCache>(p, u, h0, hb, smem);
+      // Plain copies in the TMA producer's instance: with the L2 hint ptxas 13.0 gave seven of this body's
+      // copies there a descriptor in uniform registers it never set (desc[UR1], as in "Keys evict-first";
+      // tools/sass_size.py flags it). Its units are the rare ones off a box boundary (another plan's).
+      attend_unit_wide_portable<T, kCache, !kProducer>(p, u, h0, hb, smem);
     }
     return;
   }

@@ -59,7 +59,8 @@ __device__ __forceinline__ void fetch_page_ids(const Problem& p, const int* pt_r
 // and chunks tid % 8 + 8 i of each (gather_key_row). Keys past u.range_end or on a page id outside the cache
 // are zero-filled (never read out of bounds) and flagged 0 in key_ok[stage * BK + kl].
 // chunk(kl, c): shared address of chunk c of key kl's row in this stage.
-template <int kCache, int BK, int RING, int PASSES, int KPP = 32, typename KeyOk, typename ChunkAddr>
+template <int kCache, int BK, int RING, int PASSES, int KPP = 32, bool kL2Hint = true, typename KeyOk,
+          typename ChunkAddr>
 __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u, const int* page_ring, KeyOk* key_ok,
                                                  int kv_begin, int blk, int stage, int tid, ChunkAddr chunk) {
   using F = CacheFormat<kCache>;
@@ -74,7 +75,7 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
     const int page = pages[kl];
     const bool ok = key < u.range_end && page_in_cache(p, page);
     const size_t slot = ok ? cache_row<size_t>(page, key, p.page_size) : 0;
-    gather_key_row<kCache>([&](int c) { return chunk(kl, c); }, ckv + slot * F::kCkvBytes, kpe + slot * F::kKpeBytes,
+    gather_key_row<kCache, kL2Hint>([&](int c) { return chunk(kl, c); }, ckv + slot * F::kCkvBytes, kpe + slot * F::kKpeBytes,
                            sub, ok ? 16 : 0);
     if (sub == 0) key_ok[stage * BK + kl] = ok;
   }

@@ -89,7 +89,7 @@ def test_trace_report_periods_and_intervals():
 
 def test_trace_report_pa_first_body_labels():
     tr = _tool("trace_report")
-    # Body id 3 (-DJAX_MLA_WIDE64_PA_FIRST): warpgroup 1's marks are labelled by that schedule.
+    # Body id 3 (the P_A-first schedule, the default): warpgroup 1's marks are labelled by that schedule.
     lines = ["trace c slot 2 globaltimer 5000 9000 body 3", "trace c slot 2 row 0: 0 40 50 60 3000 3100 10 20"]
     for n in range(3):
         top = 100 + 1000 * n

@@ -34,8 +34,8 @@ PAIR_MARKS = {
     1: ["top", "m_A received", "m_B signalled", "P_B signalled", "PV_B issued", "P_A received", "PV_B done",
         "B 4-8 refilled", "PV_A done", "A 4-8 refilled", "S issued", "trip end"],
 }
-# The same body built with -DJAX_MLA_WIDE64_PA_FIRST (body id 3): P_A comes right after m_A, WG1 issues P_A V_A before
-# its softmax of block B, P_B goes with m_B.
+# The same body's default schedule, P_A first (body id 3; id 1 is -DJAX_MLA_WIDE64_NO_PA_FIRST's): P_A comes right
+# after m_A, WG1 issues P_A V_A before its softmax of block B, P_B goes with m_B.
 PAIR_MARKS_PA_FIRST = {
     0: ["top", "m_A signalled", "PV_A issue", "PV_A done", "A 0-3 refilled", "m_B + P_B received",
         "O_L rescaled", "(as before)", "PV_B + S 0-3 issued", "PV_B done", "S 4-8 issued", "trip end"],

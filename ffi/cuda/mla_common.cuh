@@ -432,8 +432,9 @@ struct BlockTraceScope {
 // otherwise; tools/trace_report.py reads what the driver prints): clock64 stamps of lane 0 of warps 0
 // and 3 of each warpgroup (slots 2 wg + (warp == 3)) in blocks 0 and JAX_MLA_TRACE_BLOCK (slots + 4).
 // Row 0: the prologue and the epilogue, with globaltimer at the start and the end (events 6 and 7)
-// and the body's id (event 11: kTraceWide64, kTraceNarrowFp8, kTraceWide64PaFirst: the 64-key body built with
-// -DJAX_MLA_WIDE64_PA_FIRST, whose warpgroup 1 marks other points); row 1 + n: the body's n-th trip.
+// and the body's id (event 11: kTraceWide64, kTraceNarrowFp8, kTraceWide64PaFirst: the 64-key body's default
+// P_A-first schedule, whose warpgroup 1 marks other points; kTraceWide64: -DJAX_MLA_WIDE64_NO_PA_FIRST); row 1 + n:
+// the body's n-th trip.
 // A body declares `trace_slot` (jax_mla_trace_slot) and marks its points with JAX_MLA_TRACE_AT.
 // A walk's body (walk_unit: the units its block ran before this one) is traced in block 0 only, its first
 // unit in slots 0-3 and its second in slots 4-7: each unit of a walk would otherwise write the same slots,

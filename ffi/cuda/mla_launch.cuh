@@ -262,9 +262,12 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
                     blocks, Wide64Sm90::kThreads, kSm90SmemBytes, stream, p, maps);
               }
             }
-#ifdef JAX_MLA_WIDE64_TMA_PRODUCER
-            // An experiment (NOTES.md, "fifty-third session"): above 16 heads a third warpgroup issues the boxes
-            // (wide64_tma_producer), as it gathers on small pages.
+#ifndef JAX_MLA_WIDE64_NO_TMA_PRODUCER  // (an A/B switch: the consumers issue their boxes at every head count)
+            // Above 16 heads a third warpgroup issues the boxes (wide64_tma_producer), as it gathers on small
+            // pages, so that the consumers' trips carry no copies. On an H100 with the P_A-first schedule
+            // 2.4-4.1% faster on the wide extend shapes, decode within 1% (NOTES.md, "fifty-third" to
+            // "fifty-fifth session"). At 16 heads or fewer a launch may hold narrow units, which keep the
+            // 256-thread instance.
             if constexpr (kCache == kCacheAsQuery) {
               if (p.num_heads > 16) {
                 return launch_with_smem<mla_attention_sm90_kernel<T, kCache, true, false, false, false, true>>(

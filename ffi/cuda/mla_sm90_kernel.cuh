@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(sm90_kernel_threads<kWide64, kProducer>(), 1) 
   static_assert(!kE4m3 || (kWide64 && kCache == kCacheFp8Ckv), "e4m3 products: the 64-key body, an fp8 ckv");
   static_assert(!kGather || (kWide64 && !kE4m3 && kCache == kCacheAsQuery), "gathered blocks: a 16-bit cache");
   static_assert(!kPageBoxes || kGather, "boxes of a page: the gathering instance's");
-  // (A producer for blocks read by TMA: the -DJAX_MLA_WIDE64_TMA_PRODUCER experiment's instance.)
+  // (A producer for blocks read by TMA: above 16 heads, unless built with -DJAX_MLA_WIDE64_NO_TMA_PRODUCER.)
   static_assert(!kProducer || (kWide64 && !kE4m3 && kCache == kCacheAsQuery), "a producer warpgroup: a 16-bit cache");
   // A unit start off a box boundary (32 or 64 keys) cannot take the 64-key body's TMA boxes; this
   // library's planner splits at multiples of 64, so only another plan would send one here: the

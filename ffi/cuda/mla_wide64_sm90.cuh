@@ -51,12 +51,13 @@ struct Wide64Sm90 {
   // Gathered blocks (kGather: cp.async on pages under 8 keys, boxes of one page on pages of 8-16) from a
   // third warpgroup (kProducer: the consumers 232 registers a thread, the producer 40; mla_launch.cuh).
   static constexpr int kProducerThreads = 384;
-  // The P_A V_A-under-softmax-B schedule (an experiment, -DJAX_MLA_WIDE64_PA_FIRST; NOTES.md, "fifty-third
-  // session"), read by the consumers (16-bit caches only) and by the TMA producer, which frees halves in its order.
-#ifdef JAX_MLA_WIDE64_PA_FIRST
-  static constexpr bool kPaFirstSchedule = true;
-#else
+  // The P_A V_A-under-softmax-B schedule (NOTES.md, "fifty-third" to "fifty-fifth session"), read by the
+  // consumers (16-bit caches only) and by the TMA producer, which frees halves in its order.
+  // -DJAX_MLA_WIDE64_NO_PA_FIRST: the schedule before it, P_A V_A after softmax B (an A/B switch).
+#ifdef JAX_MLA_WIDE64_NO_PA_FIRST
   static constexpr bool kPaFirstSchedule = false;
+#else
+  static constexpr bool kPaFirstSchedule = true;
 #endif
   static constexpr int ROWS = 64;
   static constexpr int BK = 64;                 // keys per block
@@ -96,7 +97,7 @@ struct Wide64Sm90 {
     return base + BAR_OFF + (buf * TILES + tile) * 8;
   }
   // The hand-offs between the warpgroups, one phase per pair: WG0 -> WG1, m_A is in shared memory;
-  // WG1 -> WG0, m_B is; WG0 -> WG1, P_A (in m_B's frame; in m_A's with -DJAX_MLA_WIDE64_PA_FIRST) is in P0;
+  // WG1 -> WG0, m_B is; WG0 -> WG1, P_A (in m_A's frame; in m_B's with -DJAX_MLA_WIDE64_NO_PA_FIRST) is in P0;
   // WG1 -> WG0, P_B is in P1 (with PA_FIRST: P_B is in P1 by m_B's hand-off, and this one goes unused).
   enum Handoff : int { kAReady = 0, kBReady = 1, kP0Ready = 2, kP1Ready = 3 };
   static __device__ __forceinline__ uint32_t handoff_bar(uint32_t base, int h) {
@@ -1219,12 +1220,12 @@ __device__ __forceinline__ void wide64_gather_producer(const Problem& p, const K
   cp_async_wait_all();  // leave nothing in flight behind an exited thread
 }
 
-// The producer warpgroup of a block read by TMA (an experiment, -DJAX_MLA_WIDE64_TMA_PRODUCER; NOTES.md,
-// "fifty-third session"): lane 0 of its warp 0 issues every box of the unit, blocks 0 and 1 whole, then each half
-// once the warpgroup that read it last has released it (as wide64_gather_producer), so that no consumer warp
-// spends the ~470-600 cycles a half's boxes take to issue between two of its warpgroup's wgmmas. A block's key
-// mask goes with its first half; its page ids are read a pair ahead. Warps 1-3 leave at once; warp 0's lanes all
-// wait (mbar_wait ends in a __syncwarp).
+// The producer warpgroup of a block read by TMA (above 16 heads; -DJAX_MLA_WIDE64_NO_TMA_PRODUCER: none, an A/B
+// switch; NOTES.md, "fifty-third" to "fifty-fifth session"): lane 0 of its warp 0 issues every box of the unit,
+// blocks 0 and 1 whole, then each half once the warpgroup that read it last has released it (as
+// wide64_gather_producer), so that no consumer warp spends the ~470-600 cycles a half's boxes take to issue between
+// two of its warpgroup's wgmmas. A block's key mask goes with its first half; its page ids are read a pair ahead.
+// Warps 1-3 leave at once; warp 0's lanes all wait (mbar_wait ends in a __syncwarp).
 __device__ __forceinline__ void wide64_tma_producer(const Problem& p, const KeyTensorMaps& maps, const Unit& u,
                                                     uint32_t base) {
   using W = Wide64Sm90;

@@ -59,11 +59,12 @@ print('cpu_sanitize: testing', n.__file__)
 
 if [ $# -eq 0 ]; then
   # test_native.py is left out: its tests start interpreters with a bare environment (no preload).
-  # Up to 4 pytest-xdist workers, a test file each at a time (the preload reaches them): on CI's 2 cores the
-  # run took 304 s instead of 565 (fifty-fifth session).
+  # Up to 4 pytest-xdist workers (the preload reaches them), stealing tests from each other: on 2 cores with a
+  # warm JAX cache the tests took 159 s, 304 s with a file a worker (one file ran alone at the end), and one
+  # process took 565 s in CI with a cold cache (fifty-fifth session).
   workers=$(nproc); [ "$workers" -le 4 ] || workers=4
-  set -- -n "$workers" --dist loadfile tests/test_planner.py tests/test_validation.py tests/test_attention.py tests/test_fp8.py \
-    tests/test_properties.py tests/test_cache.py tests/test_arg_specs.py tests/test_sharding.py
+  set -- -n "$workers" --dist worksteal tests/test_planner.py tests/test_validation.py tests/test_attention.py \
+    tests/test_fp8.py tests/test_properties.py tests/test_cache.py tests/test_arg_specs.py tests/test_sharding.py
 fi
 status=0
 "$SAN/venv/bin/python" -m pytest -q -p no:cacheprovider "$@" || status=$?

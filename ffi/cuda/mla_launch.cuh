@@ -264,9 +264,9 @@ inline cudaError_t launch_attention(const Problem& p, cudaStream_t stream) {
             }
 #ifndef JAX_MLA_WIDE64_NO_TMA_PRODUCER  // (an A/B switch: the consumers issue their boxes at every head count)
             // Above 16 heads a third warpgroup issues the boxes (wide64_tma_producer), as it gathers on small
-            // pages, so that the consumers' trips carry no copies. On an H100 with the P_A-first schedule
-            // 2.4-4.1% faster on the wide extend shapes, decode within 1% (NOTES.md, "fifty-third" to
-            // "fifty-fifth session"). At 16 heads or fewer a launch may hold narrow units, which keep the
+            // pages, so that the consumers' trips carry no copies. On an H100, over the P_A-first schedule
+            // alone, 2.1% and 3.8% faster at the 32-head extend shape in two calls, 1.5% and 2.1% at 32 x 4096
+            // h128, decode within 1% (NOTES.md, "fifty-third" to "fifty-fifth session"). At 16 heads or fewer a launch may hold narrow units, which keep the
             // 256-thread instance.
             if constexpr (kCache == kCacheAsQuery) {
               if (p.num_heads > 16) {

@@ -75,8 +75,8 @@ __device__ __forceinline__ void gather_key_block(const Problem& p, const Unit& u
     const int page = pages[kl];
     const bool ok = key < u.range_end && page_in_cache(p, page);
     const size_t slot = ok ? cache_row<size_t>(page, key, p.page_size) : 0;
-    gather_key_row<kCache, kL2Hint>([&](int c) { return chunk(kl, c); }, ckv + slot * F::kCkvBytes, kpe + slot * F::kKpeBytes,
-                           sub, ok ? 16 : 0);
+    gather_key_row<kCache, kL2Hint>([&](int c) { return chunk(kl, c); }, ckv + slot * F::kCkvBytes,
+                                    kpe + slot * F::kKpeBytes, sub, ok ? 16 : 0);
     if (sub == 0) key_ok[stage * BK + kl] = ok;
   }
 }

@@ -592,10 +592,11 @@ __device__ __forceinline__ Wide64Walk wide64_warpgroup(const Problem& p, const K
 #else
   constexpr bool kLateRefillA = false;
 #endif
-  // Experiment (W::kPaFirstSchedule): P_A goes to WG1 in m_A's frame right after m_A, and WG1 issues
-  // P_A V_A before its softmax of block B, so that the tensor pipe holds both halves of P_A V_A (not one)
-  // while softmax B, the pair's critical path, runs. WG1 then moves O_R to m_A's frame before P_A V_A and
-  // to m_B's after it; WG0 no longer rescales P_A. P_B comes with m_B (the P1 hand-off goes unused).
+  // The default schedule (W::kPaFirstSchedule; -DJAX_MLA_WIDE64_NO_PA_FIRST: off): P_A goes to WG1 in m_A's frame
+  // right after m_A, and WG1 issues P_A V_A before its softmax of block B, so that the tensor pipe holds both
+  // halves of P_A V_A (not one) while softmax B, the pair's critical path, runs. WG1 then moves O_R to m_A's frame
+  // before P_A V_A and to m_B's after it; WG0 no longer rescales P_A. P_B comes with m_B (the P1 hand-off goes
+  // unused).
   constexpr bool kPaFirst = W::kPaFirstSchedule && !kFp8;
   [[maybe_unused]] auto release = [&](int buf, int half) { mbar_arrive(W::empty_bar(base, buf, half)); };
   const int tid = threadIdx.x - 128 * HALF;
@@ -1265,9 +1266,9 @@ __device__ __forceinline__ void wide64_tma_producer(const Problem& p, const KeyT
       mbar_wait(W::empty_bar(base, blk & 1, half), parity);
       issue(blk, half, rows, mask);
     };
-    // In the order the halves are freed: A's left (WG0 after P_A V_A), B's right (WG1 after P_B V_B), A's
-    // right (WG1 after P_A V_A), B's left (WG0 after P_B V_B). In the PA_FIRST schedule WG1 multiplies
-    // P_A V_A first, so A's right comes before B's right.
+    // In the order the halves are freed: A's left (WG0 after P_A V_A), A's right (WG1 after P_A V_A, which
+    // it multiplies first in the P_A-first schedule), B's right (WG1 after P_B V_B), B's left (WG0 after
+    // P_B V_B). With -DJAX_MLA_WIDE64_NO_PA_FIRST WG1 multiplies P_B V_B first: B's right before A's right.
     refill(a, 0, ra, true);
     if (W::kPaFirstSchedule) refill(a, 1, ra, false);
     if (has_b) refill(b, 1, rb, true);
